@@ -1,0 +1,116 @@
+"""The ``meshyard`` command. Subcommands only parse arguments and call library functions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshyard.config.dump import config_to_toml
+from meshyard.config.load import ConfigError, load_config
+from meshyard.launch.local import WorkerFailure
+
+EXIT_BAD_INPUT = 2
+
+OVERRIDES_HELP = (
+    "Any field can be set with --section.field=value (or --section.field value), "
+    "e.g. --train.steps=500 --parallel.strategy=fsdp --model.name=gpt-mini. "
+    "Precedence: command line > config file > defaults. 'meshyard config show' lists every field."
+)
+
+
+def split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--section.field[=value]`` overrides from arguments argparse did not know."""
+    overrides, unknown = [], []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        key = arg[2:].split("=", 1)[0]
+        if arg.startswith("--") and "." in key:
+            if "=" not in arg and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+                arg, i = f"{arg}={extra[i + 1]}", i + 1
+            elif "=" not in arg:
+                arg = f"{arg}=true"  # a bare flag turns a boolean on
+            overrides.append(arg)
+        else:
+            unknown.append(arg)
+        i += 1
+    return overrides, unknown
+
+
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="train according to a TOML config (default: a tiny GPT on 2 local workers)",
+        description="Train a model. Without CONFIG, runs the built-in default: a small GPT on this "
+        "Python's standard-library sources, 2 local CPU/GPU workers with DDP. Inside torchrun, Slurm "
+        "or a Kubeflow pod the process joins that job instead of starting workers.",
+        epilog=OVERRIDES_HELP,
+    )
+    p.add_argument("config", nargs="?", help="TOML config file (optional)")
+    p.add_argument("--nproc", type=int, help="local worker processes (same as --run.nproc)")
+
+
+def _add_config(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("config", help="inspect configurations",
+                              description="Inspect configurations.", epilog=OVERRIDES_HELP)
+    sub = p.add_subparsers(dest="config_command", required=True, metavar="{show}")
+    show = sub.add_parser("show", help="print the resolved config with every field documented",
+                          description="Print the resolved config (defaults < file < overrides) as TOML, "
+                          "each field preceded by its documentation.", epilog=OVERRIDES_HELP)
+    show.add_argument("config", nargs="?", help="TOML config file (optional)")
+    show.add_argument("--plain", action="store_true", help="omit the documentation comments")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshyard",
+        description="Distributed training for PyTorch from one TOML config.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run(subparsers)
+    _add_config(subparsers)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshyard.api import run
+
+    if args.nproc is not None:
+        overrides = [*overrides, f"--run.nproc={args.nproc}"]
+    config = load_config(args.config, overrides)
+    result = run(config)
+    if result.summary is not None:
+        print(f"meshyard: finished; records in {result.run_dir}", flush=True)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    config = load_config(args.config, overrides)
+    print(config_to_toml(config, with_docs=not args.plain), end="")
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "config": _cmd_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides, unknown = split_overrides(extra)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --section.field=value)")
+    try:
+        return COMMANDS[args.command](args, overrides)
+    except ConfigError as exc:
+        print(f"meshyard: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except WorkerFailure as exc:
+        print(f"meshyard: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("meshyard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

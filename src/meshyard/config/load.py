@@ -1,0 +1,167 @@
+"""Build a ``Config`` from defaults, a TOML file and ``--section.field=value`` overrides.
+
+Precedence is CLI > file > defaults. Every problem found on the way (unknown sections or
+keys, wrong types, values outside their choices) is collected and raised together as
+one ``ConfigError``, so a user fixes a config in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from meshyard.config.sections import SECTIONS, Config
+
+
+class ConfigError(ValueError):
+    """One or more problems with a configuration; ``problems`` lists each one."""
+
+    def __init__(self, problems: Iterable[str], source: str = "configuration") -> None:
+        self.problems = list(problems)
+        self.source = source
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        count = len(self.problems)
+        super().__init__(
+            f"invalid {source} ({count} problem{'s' if count != 1 else ''}):\n{lines}\n"
+            "Fix the keys above in the TOML file or the --section.field=value overrides; "
+            "'meshyard config show' prints every valid key with its documentation."
+        )
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.field=value`` (leading dashes allowed) into its parts.
+
+    The value is read as a TOML value when it parses as one (numbers, booleans, arrays,
+    quoted strings) and taken as a bare string otherwise, so ``--model.name=gpt-mini``
+    needs no quotes.
+    """
+    body = text.lstrip("-")
+    key, sep, raw = body.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError([f"override '{text}' is not of the form --section.field=value"], "override")
+    section, _, name = key.partition(".")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, name, value
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file '{path}' does not exist"], "config file")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path} is not valid TOML: {exc}"], "config file") from None
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, where: str) -> tuple[Any, str | None]:
+    """Check ``value`` against the annotation ``tp``; return (value, problem or None)."""
+    if typing.get_origin(tp) is typing.Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value, None
+        hint = did_you_mean(str(value), [str(c) for c in choices])
+        return value, f"{where} = {value!r} is not {_type_name(tp)}{hint}"
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    elif tp is list:
+        ok = isinstance(value, list)
+        if not ok and isinstance(value, str):  # a single path given on the command line
+            value, ok = [value], True
+    elif tp is dict:
+        ok = isinstance(value, dict)
+    else:  # pragma: no cover - every field type is listed above
+        raise TypeError(f"unsupported config field type {tp!r}")
+    problem = None if ok else f"{where} = {value!r} should be {_type_name(tp)}, not {type(value).__name__}"
+    return value, problem
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def merge(config: Config, values: dict[str, Any], origin: str, problems: list[str]) -> None:
+    """Write ``{section: {field: value}}`` into ``config``, appending problems found."""
+    for section_name, table in values.items():
+        if section_name not in SECTIONS:
+            problems.append(f"unknown section [{section_name}] in {origin}{did_you_mean(section_name, SECTIONS)}")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"[{section_name}] in {origin} should be a table of keys, not {table!r}")
+            continue
+        section = getattr(config, section_name)
+        types = _field_types(type(section))
+        for key, value in table.items():
+            where = f"{section_name}.{key}"
+            if key not in types:
+                problems.append(f"unknown key '{where}' in {origin}{did_you_mean(key, types)}")
+                continue
+            value, problem = coerce(value, types[key], where)
+            if problem:
+                problems.append(f"{problem} (from {origin})")
+            else:
+                setattr(section, key, value)
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Resolve defaults < TOML file < overrides into a validated-by-type ``Config``.
+
+    Cross-field checks that need the world size live in ``meshyard.config.validate``.
+    """
+    config = Config()
+    problems: list[str] = []
+    if path is not None:
+        merge(config, read_toml(path), str(path), problems)
+    nested: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        try:
+            section, name, value = parse_override(text)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        nested.setdefault(section, {})[name] = value
+    merge(config, nested, "command line", problems)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Build a ``Config`` from nested plain values (the inverse of ``config_to_dict``)."""
+    config = Config()
+    problems: list[str] = []
+    merge(config, values, "dictionary", problems)
+    if problems:
+        raise ConfigError(problems)
+    return config

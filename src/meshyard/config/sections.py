@@ -1,0 +1,183 @@
+"""Typed configuration sections.
+
+Every field carries a one-line description in its metadata (``doc``); those lines are
+what ``meshyard config show`` prints as comments and what validation quotes. Each
+component of meshyard receives only its own section, never the whole ``Config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def option(default: Any, doc: str, **kwargs: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **kwargs})
+    return field(default=default, metadata={"doc": doc, **kwargs})
+
+
+@dataclass
+class ModelConfig:
+    """Which network to train."""
+
+    name: str = option(
+        "gpt-tiny",
+        "Preset (gpt-tiny, gpt-mini, gpt-small, gpt-medium, gpt2-124m), 'gpt' for a custom "
+        "size, 'mlp', or your own builder as 'package.module:function' or 'path/file.py:function'.",
+    )
+    n_layer: int = option(0, "Transformer blocks (MLP: hidden layers); 0 keeps the preset's value.")
+    n_head: int = option(0, "Attention heads; 0 keeps the preset's value.")
+    d_model: int = option(0, "Hidden width; 0 keeps the preset's value.")
+    context_length: int = option(0, "Longest sequence the model accepts; 0 uses data.seq_len.")
+    vocab_size: int = option(0, "Vocabulary size; 0 takes it from the data's tokenizer.")
+    dropout: float = option(0.0, "Dropout probability in attention and MLP outputs.")
+    tie_embeddings: bool = option(True, "Share the token embedding with the output head (GPT-2 style).")
+    options: dict = option({}, "Extra keyword arguments passed to a custom builder function.")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how they are cut into samples."""
+
+    source: str = option(
+        "stdlib",
+        "'stdlib' (this Python's standard-library sources, no download), 'text' (files in "
+        "data.paths), 'tokens' (pre-tokenized .npy/.bin in data.paths), 'random', or your own "
+        "dataset builder as 'module:function' / 'file.py:function'.",
+    )
+    paths: list = option([], "Files or glob patterns for the 'text' and 'tokens' sources.")
+    tokenizer: Literal["byte"] = option("byte", "Tokenizer for text sources: 'byte' (256 symbols, lossless).")
+    token_dtype: Literal["uint8", "uint16", "uint32", "int32", "int64"] = option(
+        "uint16", "Element type of raw .bin token files."
+    )
+    vocab_size: int = option(0, "Vocabulary of the 'tokens'/'random' sources; 0 infers it from the data.")
+    seq_len: int = option(128, "Tokens per training sample.")
+    val_fraction: float = option(0.02, "Share of samples held out for evaluation (taken from the end).")
+    max_tokens: int = option(0, "Use at most this many tokens of the corpus; 0 uses all.")
+    random_tokens: int = option(1_048_576, "Corpus length of the 'random' source.")
+    num_workers: int = option(0, "Loader worker processes per rank (0 loads in the training process).")
+    prefetch_factor: int = option(2, "Batches each loader worker prepares ahead (needs num_workers > 0).")
+    cache_dir: str = option("", "Where tokenized corpora are cached; empty uses ~/.cache/meshyard.")
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batch arithmetic, evaluation and reproducibility."""
+
+    steps: int = option(200, "Optimizer steps to run.")
+    global_batch: int = option(32, "Samples per optimizer step across all data-parallel ranks.")
+    micro_batch: int = option(0, "Samples per forward/backward on one rank; 0 derives it from grad_accum.")
+    grad_accum: int = option(0, "Micro-steps accumulated per optimizer step; 0 derives it from micro_batch.")
+    grad_clip: float = option(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
+    eval_every: int = option(50, "Evaluate on the held-out split every this many steps; 0 disables.")
+    eval_batches: int = option(4, "Micro-batches per rank in each evaluation.")
+    seed: int = option(1234, "Seed for model initialisation, data order and dropout.")
+    deterministic: bool = option(False, "Use deterministic kernels only (slower, bit-reproducible).")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule and batch-size scaling."""
+
+    name: Literal["adamw", "sgd"] = option("adamw", "Optimizer: 'adamw' or 'sgd'.")
+    lr: float = option(1e-3, "Peak learning rate at the reference batch size.")
+    weight_decay: float = option(0.1, "Decoupled weight decay (AdamW) or L2 penalty (SGD).")
+    betas: list = option([0.9, 0.95], "AdamW beta1 and beta2.")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    momentum: float = option(0.9, "SGD momentum.")
+    warmup_steps: int = option(20, "Steps of linear warmup from 0 to the peak learning rate.")
+    schedule: Literal["cosine", "constant"] = option("cosine", "Shape after warmup: 'cosine' decay or 'constant'.")
+    min_lr_ratio: float = option(0.1, "Cosine floor as a fraction of the peak learning rate.")
+    lr_scaling: Literal["none", "linear", "sqrt"] = option(
+        "none", "Scale lr with global_batch / reference_batch: 'none', 'linear' or 'sqrt'."
+    )
+    reference_batch: int = option(32, "Global batch at which optim.lr was tuned (for lr_scaling).")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are spread over ranks."""
+
+    strategy: Literal["ddp", "fsdp", "zero1", "none"] = option(
+        "ddp",
+        "'ddp' (replicate), 'fsdp' (FSDP2 sharding: ZeRO-3, or ZeRO-2 with reshard_after_forward "
+        "= false; HSDP when dp_replicate > 1), 'zero1' (DDP + sharded optimizer) or 'none' (one rank).",
+    )
+    dp_replicate: int = option(0, "Replicated data-parallel degree; 0 derives it from the world size.")
+    dp_shard: int = option(0, "Sharded data-parallel degree (fsdp); 0 derives it from the world size.")
+    reshard_after_forward: bool = option(
+        True, "fsdp: free gathered parameters after forward (ZeRO-3); false keeps them (ZeRO-2)."
+    )
+    bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB.")
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric formats of compute, parameters and gradients."""
+
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto", "Compute precision; 'auto' is bf16 on GPUs that support it and fp32 on CPU."
+    )
+    reduce_fp32: bool = option(True, "fsdp: reduce gradients in fp32 even when computing in bf16/fp16.")
+
+
+@dataclass
+class CheckpointConfig:
+    """When and where training state is saved."""
+
+    enabled: bool = option(False, "Save checkpoints during the run.")
+    interval: int = option(100, "Save every this many steps (and at the end of the run).")
+    dir: str = option("", "Checkpoint directory; empty uses <run dir>/checkpoints.")
+    keep_last: int = option(2, "Committed checkpoints to keep; older ones are removed after a newer one lands.")
+
+
+@dataclass
+class MetricsConfig:
+    """What is recorded and shown while training."""
+
+    log_every: int = option(10, "Print a progress line every this many steps when not on a terminal.")
+    progress_bar: bool = option(True, "Show a live progress bar on rank 0 when stdout is a terminal.")
+    jsonl: bool = option(True, "Write every step's figures to <run dir>/metrics.jsonl.")
+
+
+@dataclass
+class RunConfig:
+    """Identity of the run, its directory and its local processes."""
+
+    name: str = option("meshyard", "Run name; the run directory is <dir>/<name>-<timestamp>.")
+    dir: str = option("runs", "Parent folder of run directories.")
+    run_dir: str = option("", "Exact run directory to use (overrides dir/name); reused if it exists.")
+    nproc: int = option(2, "Local worker processes started by 'meshyard run' (ignored under torchrun/Slurm).")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "Device: 'auto' picks CUDA when present, else CPU.")
+    threads_per_rank: int = option(1, "CPU threads per rank (torch.set_num_threads); 0 leaves torch's default.")
+    max_restarts: int = option(0, "Times the elastic agent restarts failed local workers.")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "parallel": ParallelConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run: one typed section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    run: RunConfig = field(default_factory=RunConfig)

@@ -1,0 +1,112 @@
+"""Cross-field checks: the combinations a type check cannot see.
+
+``validate`` gathers every problem before raising, and returns the derived objects
+(``ParallelDims``, ``BatchPlan``) so the rest of the run uses exactly what was checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshyard.config.load import ConfigError, did_you_mean
+from meshyard.config.sections import Config
+from meshyard.models.registry import MODEL_NAMES
+from meshyard.plugins import is_custom_reference
+from meshyard.runtime.parallel_dims import ParallelDims, ParallelDimsError
+from meshyard.train.batching import BatchPlan, BatchPlanError
+
+DATA_SOURCES = ("stdlib", "text", "tokens", "random")
+
+
+@dataclass(frozen=True)
+class ValidatedLayout:
+    dims: ParallelDims
+    batch: BatchPlan
+
+
+def _check_ranges(cfg: Config, problems: list[str]) -> None:
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(message)
+
+    m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
+    if not is_custom_reference(m.name) and m.name not in MODEL_NAMES:
+        problems.append(
+            f"model.name = '{m.name}' is not a known model{did_you_mean(m.name, MODEL_NAMES)}; known: "
+            f"{', '.join(MODEL_NAMES)}, or 'module:function' / 'file.py:function' for your own"
+        )
+    for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size"):
+        need(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative (0 means default)")
+    if m.n_head and m.d_model and m.d_model % m.n_head:
+        problems.append(f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}")
+    if m.context_length and m.context_length < d.seq_len:
+        problems.append(
+            f"model.context_length = {m.context_length} is shorter than data.seq_len = {d.seq_len}; "
+            "raise the context or shorten the samples"
+        )
+    need(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)")
+
+    if not is_custom_reference(d.source) and d.source not in DATA_SOURCES:
+        problems.append(
+            f"data.source = '{d.source}' is not known{did_you_mean(d.source, DATA_SOURCES)}; known: "
+            f"{', '.join(DATA_SOURCES)}, or 'module:function' / 'file.py:function' for your own dataset"
+        )
+    if d.source in ("text", "tokens") and not d.paths:
+        problems.append(f"data.source = '{d.source}' needs data.paths (files or glob patterns)")
+    need(d.seq_len >= 1, f"data.seq_len = {d.seq_len} must be at least 1")
+    need(0.0 <= d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in [0, 1)")
+    need(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must not be negative")
+    need(d.prefetch_factor >= 1, f"data.prefetch_factor = {d.prefetch_factor} must be at least 1")
+    need(d.max_tokens >= 0 and d.vocab_size >= 0, "data.max_tokens and data.vocab_size must not be negative")
+    need(d.random_tokens > d.seq_len, f"data.random_tokens = {d.random_tokens} must exceed data.seq_len")
+
+    need(t.steps >= 1, f"train.steps = {t.steps} must be at least 1")
+    need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must not be negative (0 disables clipping)")
+    need(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must not be negative (0 disables evaluation)")
+    need(t.eval_batches >= 1, f"train.eval_batches = {t.eval_batches} must be at least 1")
+
+    need(o.lr > 0, f"optim.lr = {o.lr} must be positive")
+    need(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must not be negative")
+    betas_ok = len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas)
+    need(betas_ok, f"optim.betas = {o.betas} must be two numbers in [0, 1)")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps} must not be negative")
+    need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
+    need(o.reference_batch >= 1, f"optim.reference_batch = {o.reference_batch} must be at least 1")
+
+    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb = {cfg.parallel.bucket_mb} must be positive")
+    need(cfg.checkpoint.interval >= 1, f"checkpoint.interval = {cfg.checkpoint.interval} must be at least 1")
+    need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last = {cfg.checkpoint.keep_last} must be at least 1")
+    need(cfg.metrics.log_every >= 1, f"metrics.log_every = {cfg.metrics.log_every} must be at least 1")
+    need(cfg.run.nproc >= 1, f"run.nproc = {cfg.run.nproc} must be at least 1")
+    need(cfg.run.threads_per_rank >= 0, f"run.threads_per_rank = {cfg.run.threads_per_rank} must not be negative")
+    need(cfg.run.max_restarts >= 0, f"run.max_restarts = {cfg.run.max_restarts} must not be negative")
+
+
+def validate(cfg: Config, world_size: int) -> ValidatedLayout:
+    """Check ``cfg`` for a job of ``world_size`` ranks; raise one ``ConfigError`` listing all problems."""
+    problems: list[str] = []
+    _check_ranges(cfg, problems)
+    dims = batch = None
+    p = cfg.parallel
+    for key in ("dp_replicate", "dp_shard"):
+        if getattr(p, key) < 0:
+            problems.append(f"parallel.{key} = {getattr(p, key)} must not be negative (0 derives it)")
+    if p.dp_replicate >= 0 and p.dp_shard >= 0:
+        try:
+            dims = ParallelDims.resolve(p.strategy, world_size, p.dp_replicate, p.dp_shard)
+        except ParallelDimsError as exc:
+            problems.extend(exc.problems)
+    if dims is not None:
+        if p.strategy == "none" and world_size > 1:
+            problems.append(
+                f"parallel.strategy = 'none' runs one process but the world size is {world_size}; "
+                "use --nproc 1 or choose 'ddp', 'fsdp' or 'zero1'"
+            )
+        try:
+            batch = BatchPlan.derive(cfg.train.global_batch, dims.dp, cfg.train.micro_batch, cfg.train.grad_accum)
+        except BatchPlanError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
+    assert dims is not None and batch is not None
+    return ValidatedLayout(dims=dims, batch=batch)

@@ -1,0 +1,91 @@
+"""Datasets and the stateful, sharded loaders the Trainer consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from meshyard.config.sections import DataConfig
+from meshyard.data.corpus import DataSourceError, load_corpus
+from meshyard.data.sampling import GlobalBatchSampler, eval_indices
+from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens: (input, next-token target) pairs."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.first = first
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (self.first + index) * self.seq_len
+        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+@dataclass
+class DataBundle:
+    """What a run needs from its data: the stateful training loader and evaluation batches."""
+
+    train_loader: StatefulDataLoader
+    val_dataset: Dataset | None
+    vocab_size: int
+    description: str
+    train_samples: int
+
+    def eval_batches(self, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> Iterator:
+        if self.val_dataset is None:
+            return iter(())
+        collate = torch.utils.data.default_collate
+        indices = eval_indices(len(self.val_dataset), micro_batch, batches, dp_rank, dp_size)
+        return (collate([self.val_dataset[i] for i in batch]) for batch in indices)
+
+
+def split_corpus(cfg: DataConfig) -> tuple[TokenWindows, TokenWindows | None, int, str]:
+    corpus = load_corpus(cfg)
+    windows = (len(corpus.tokens) - 1) // cfg.seq_len
+    val = int(windows * cfg.val_fraction) if cfg.val_fraction > 0 else 0
+    if cfg.val_fraction > 0:
+        val = max(val, 1)
+    if windows - val < 1:
+        raise DataSourceError(
+            f"{corpus.description} holds {windows} samples of {cfg.seq_len} tokens: too few to train; "
+            "use more data or a shorter data.seq_len"
+        )
+    train = TokenWindows(corpus.tokens, cfg.seq_len, 0, windows - val)
+    held_out = TokenWindows(corpus.tokens, cfg.seq_len, windows - val, val) if val else None
+    return train, held_out, corpus.vocab_size, corpus.description
+
+
+def custom_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset | None, int, str]:
+    """A user's builder, called once per split with the keywords it accepts (split, seq_len, config)."""
+    builder = load_callable(cfg.source)
+    train = call_with_accepted(builder, {"split": "train", "seq_len": cfg.seq_len, "config": cfg}, {})
+    val = call_with_accepted(builder, {"split": "val", "seq_len": cfg.seq_len, "config": cfg}, {})
+    vocab = cfg.vocab_size or int(getattr(train, "vocab_size", 0))
+    return train, val, vocab, f"custom dataset {cfg.source}: {len(train):,} training samples"
+
+
+def build_data(
+    cfg: DataConfig, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int
+) -> DataBundle:
+    """The training loader for one data-parallel rank and the held-out split."""
+    if is_custom_reference(cfg.source):
+        train, val, vocab, description = custom_datasets(cfg)
+    else:
+        train, val, vocab, description = split_corpus(cfg)
+    sampler = GlobalBatchSampler(len(train), global_batch, micro_batch, dp_rank, dp_size, seed)
+    extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True} if cfg.num_workers else {}
+    loader = StatefulDataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, **extra)
+    return DataBundle(loader, val, vocab, description, len(train))

@@ -1,0 +1,79 @@
+"""Rank 0's terminal output: a live progress bar (or periodic lines off a terminal) and a summary."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console as RichConsole
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class ProgressDisplay:
+    """Shows step, loss, tokens/s and ETA. Off a terminal (CI, pipes, log files) a bar
+    would only produce escape codes, so one line is printed every ``log_every`` steps."""
+
+    def __init__(self, total_steps: int, log_every: int, use_bar: bool) -> None:
+        self.console = RichConsole(file=sys.stdout)
+        self.total = total_steps
+        self.log_every = log_every
+        self.live = use_bar and self.console.is_terminal
+        self._progress: Progress | None = None
+        self._task = None
+
+    def start(self, first_step: int) -> None:
+        if not self.live:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            console=self.console, transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self.total, completed=first_step, loss=float("nan"), tps=0.0)
+
+    def update(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=record["loss"], tps=record["tokens_per_s"])
+        elif step % self.log_every == 0 or step == self.total or step == 1:
+            extra = f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+            self.console.print(
+                f"step {step:>6}/{self.total}  loss {record['loss']:.4f}{extra}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step",
+                highlight=False,
+            )
+
+    def note(self, text: str) -> None:
+        (self._progress.console if self._progress else self.console).print(text, highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        table = Table(title="meshyard run summary", show_header=False)
+        for key, value in summary.items():
+            table.add_row(key.replace("_", " "), _format(value))
+        self.console.print(table)
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+class NullDisplay:
+    """Every rank but 0 shows nothing."""
+
+    def start(self, first_step: int) -> None: ...
+    def update(self, record: dict[str, Any]) -> None: ...
+    def note(self, text: str) -> None: ...
+    def stop(self) -> None: ...
+    def summary(self, summary: dict[str, Any]) -> None: ...

@@ -1,0 +1,138 @@
+"""A GPT-2 style decoder-only transformer, written as a plain ``nn.Module``.
+
+The module never imports ``torch.distributed``: parallelism is applied to it from the
+outside (``meshyard.parallel``). Parameter names are stable (``blocks.<i>.attn.qkv``,
+``blocks.<i>.mlp.fc`` ...) so checkpoints move between layouts, and every block is a
+separate child in ``blocks`` so sharding can wrap them one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """Architecture of a GPT: everything needed to build it and to count its cost."""
+
+    vocab_size: int
+    context_length: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+# Presets from a test-sized toy up to GPT-2 small (124M parameters with the GPT-2
+# vocabulary of 50257 and tied embeddings). Vocabulary and context come from the data.
+GPT_PRESETS: dict[str, dict[str, int]] = {
+    "gpt-tiny": {"n_layer": 2, "n_head": 2, "d_model": 64},
+    "gpt-mini": {"n_layer": 4, "n_head": 4, "d_model": 128},
+    "gpt-small": {"n_layer": 6, "n_head": 6, "d_model": 384},
+    "gpt-medium": {"n_layer": 8, "n_head": 8, "d_model": 512},
+    "gpt2-124m": {"n_layer": 12, "n_head": 12, "d_model": 768},
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        if shape.d_model % shape.n_head != 0:
+            raise ValueError(f"d_model={shape.d_model} is not divisible by n_head={shape.n_head}")
+        self.n_head = shape.n_head
+        self.dropout = shape.dropout
+        self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model, bias=shape.bias)
+        self.proj = nn.Linear(shape.d_model, shape.d_model, bias=shape.bias)
+        self.resid_dropout = nn.Dropout(shape.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        # (B, T, C) -> (B, heads, T, head_dim); -1 keeps this valid when heads are split
+        # across tensor-parallel ranks and each rank holds only some of them.
+        q, k, v = (t.view(batch, seq, -1, x.shape[-1] // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_dropout(self.proj(y))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        hidden = shape.mlp_ratio * shape.d_model
+        self.fc = nn.Linear(shape.d_model, hidden, bias=shape.bias)
+        self.proj = nn.Linear(hidden, shape.d_model, bias=shape.bias)
+        self.dropout = nn.Dropout(shape.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(shape.d_model, bias=shape.bias)
+        self.attn = CausalSelfAttention(shape)
+        self.ln_2 = nn.LayerNorm(shape.d_model, bias=shape.bias)
+        self.mlp = FeedForward(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer returning next-token logits of shape (B, T, vocab)."""
+
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.tok_emb = nn.Embedding(shape.vocab_size, shape.d_model)
+        self.pos_emb = nn.Embedding(shape.context_length, shape.d_model)
+        self.drop = nn.Dropout(shape.dropout)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.n_layer))
+        self.ln_f = nn.LayerNorm(shape.d_model, bias=shape.bias)
+        self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        residual_std = 0.02 / math.sqrt(2 * self.shape.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(".proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.shape.context_length:
+            raise ValueError(f"sequence of {seq} tokens exceeds context_length={self.shape.context_length}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))

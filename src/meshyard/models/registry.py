@@ -1,0 +1,45 @@
+"""Model names accepted in ``model.name`` and how each is built (the config edge)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshyard.config.sections import ModelConfig
+from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
+from meshyard.models.mlp import MLP
+from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
+
+MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp")
+
+
+def gpt_shape(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTShape:
+    """Resolve a preset plus explicit overrides into a concrete ``GPTShape``."""
+    preset = GPT_PRESETS.get(cfg.name, GPT_PRESETS["gpt-tiny"])
+    return GPTShape(
+        vocab_size=cfg.vocab_size or vocab_size,
+        context_length=cfg.context_length or seq_len,
+        n_layer=cfg.n_layer or preset["n_layer"],
+        n_head=cfg.n_head or preset["n_head"],
+        d_model=cfg.d_model or preset["d_model"],
+        dropout=cfg.dropout,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
+    """Build the configured model on the current default device.
+
+    A custom builder gets the keywords it declares among ``vocab_size``,
+    ``context_length`` and ``config`` (the ``ModelConfig``), plus ``model.options``.
+    """
+    vocab = cfg.vocab_size or vocab_size
+    if is_custom_reference(cfg.name):
+        builder = load_callable(cfg.name)
+        offered = {"vocab_size": vocab, "context_length": cfg.context_length or seq_len, "config": cfg}
+        model = call_with_accepted(builder, offered, dict(cfg.options))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model builder '{cfg.name}' returned {type(model).__name__}, not an nn.Module")
+        return model
+    if cfg.name == "mlp":
+        return MLP(vocab_size=vocab, d_model=cfg.d_model or 128, n_layer=cfg.n_layer or 2)
+    return GPT(gpt_shape(cfg, vocab_size, seq_len))

@@ -1,0 +1,68 @@
+"""Data-parallel wrappers as functions on a plain module: DDP and FSDP2 (ZeRO-2/3, HSDP)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: float = 25.0) -> nn.Module:
+    """Replicate ``model`` over the 1-D ``dp_mesh``; gradients are averaged in buckets."""
+    device = next(model.parameters()).device
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=dp_mesh.get_group(),
+        bucket_cap_mb=bucket_mb,
+        gradient_as_bucket_view=True,
+    )
+
+
+def _shardable_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: children of the first ``nn.ModuleList``."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return list(module)
+    return []
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: each block is its own unit, then the root holds the rest.
+
+    ``dp_mesh`` is 1-D for plain sharding or 2-D (replicate, shard) for HSDP.
+    ``reshard_after_forward=False`` keeps gathered parameters until backward (ZeRO-2);
+    the default frees them after forward and gathers again in backward (ZeRO-3).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = _shardable_blocks(model)
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed at once by backward, so freeing them
+        # after forward would only cost an extra all-gather.
+        reshard = reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module without DDP or compile wrappers (stable state-dict keys)."""
+    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient synchronisation on or off for the next backward (accumulation)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    elif isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled

@@ -1,0 +1,20 @@
+"""Naming of run directories."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from meshyard.config.sections import RunConfig
+
+
+def resolve_run_dir(cfg: RunConfig) -> Path:
+    """``run.run_dir`` when given, else a new ``<run.dir>/<run.name>-<timestamp>`` folder."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir).expanduser().resolve()
+    base = Path(cfg.dir).expanduser().resolve() / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, n = base, 1
+    while candidate.exists():  # two runs started within the same second
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate

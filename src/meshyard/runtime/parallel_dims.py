@@ -1,0 +1,89 @@
+"""Parallel degrees validated against the world size, and the one named DeviceMesh.
+
+Mesh dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. All
+four always exist (size 1 when unused) so code can slice any of them by name, and
+``dp`` is the flattened ``dp_replicate x dp_shard`` dimension used by data loading and
+loss averaging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class ParallelDimsError(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each kind of parallelism; their product is the world size."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+            if getattr(self, name) < 1:
+                problems.append(f"parallel.{name} = {getattr(self, name)} must be at least 1")
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if not problems and product != self.world_size:
+            problems.append(
+                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"tp={self.tp} x pp={self.pp} = {product} do not multiply to the world size "
+                f"{self.world_size}; change the degrees or the number of processes (--nproc)"
+            )
+        if problems:
+            raise ParallelDimsError(problems)
+
+    @classmethod
+    def resolve(
+        cls, strategy: str, world_size: int, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 1, pp: int = 1
+    ) -> "ParallelDims":
+        """Fill the degrees left at 0 from the strategy and the world size, then validate.
+
+        ``ddp``/``zero1`` replicate over every rank not used by tp/pp; ``fsdp`` shards over
+        them (HSDP when ``dp_replicate`` > 1 is given); ``none`` uses no data parallelism.
+        """
+        model_parallel = tp * pp
+        rest = world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 0
+        if strategy in ("ddp", "zero1"):
+            if dp_shard not in (0, 1):
+                raise ParallelDimsError(
+                    [f"parallel.dp_shard = {dp_shard} needs parallel.strategy = 'fsdp' (got '{strategy}')"]
+                )
+            dp_shard = 1
+            dp_replicate = dp_replicate or rest
+        elif strategy == "fsdp":
+            dp_replicate = dp_replicate or 1
+            if not dp_shard:
+                dp_shard = rest // dp_replicate if rest and rest % dp_replicate == 0 else 0
+        else:  # none
+            if (dp_replicate or 1) != 1 or (dp_shard or 1) != 1:
+                raise ParallelDimsError(
+                    ["parallel.strategy = 'none' cannot have data-parallel degrees above 1; "
+                     "choose 'ddp', 'fsdp' or 'zero1'"]
+                )
+            dp_replicate = dp_shard = 1
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size)
+
+    @property
+    def dp(self) -> int:
+        """Total data-parallel degree: how many different batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The single DeviceMesh of the job, and its flattened 1-D ``dp`` view."""
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -1,0 +1,46 @@
+"""Compute precision: which dtype, the autocast context and the gradient scaler."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+from torch.amp import GradScaler
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on GPUs that support it and fp32 on CPU, where low precision is slow."""
+    if requested == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return DTYPES[requested]
+
+
+@dataclass
+class Precision:
+    """How one training step handles numerics: an autocast context and a (possibly inert) scaler."""
+
+    dtype: torch.dtype
+    device_type: str
+    use_autocast: bool
+    scaler: GradScaler
+
+    def autocast(self) -> ContextManager:
+        if not self.use_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def build_precision(dtype: torch.dtype, device: torch.device, sharded: bool) -> Precision:
+    """Sharded models (FSDP) cast through their mixed-precision policy, not autocast, and
+    need the scaler that agrees on inf/NaN across shards."""
+    scaler_cls = ShardedGradScaler if sharded else GradScaler
+    scaler = scaler_cls(device.type, enabled=dtype == torch.float16)
+    use_autocast = dtype != torch.float32 and not sharded
+    return Precision(dtype=dtype, device_type=device.type, use_autocast=use_autocast, scaler=scaler)
