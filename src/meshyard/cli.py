@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from meshyard.config.dump import config_to_toml
-from meshyard.config.load import ConfigError, load_config
+from meshyard.config.load import ConfigError, group_override_tokens, load_config
 from meshyard.launch.local import WorkerFailure
 
 EXIT_BAD_INPUT = 2
@@ -16,25 +16,6 @@ OVERRIDES_HELP = (
     "e.g. --train.steps=500 --parallel.strategy=fsdp --model.name=gpt-mini. "
     "Precedence: command line > config file > defaults. 'meshyard config show' lists every field."
 )
-
-
-def split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
-    """Separate ``--section.field[=value]`` overrides from arguments argparse did not know."""
-    overrides, unknown = [], []
-    i = 0
-    while i < len(extra):
-        arg = extra[i]
-        key = arg[2:].split("=", 1)[0]
-        if arg.startswith("--") and "." in key:
-            if "=" not in arg and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-                arg, i = f"{arg}={extra[i + 1]}", i + 1
-            elif "=" not in arg:
-                arg = f"{arg}=true"  # a bare flag turns a boolean on
-            overrides.append(arg)
-        else:
-            unknown.append(arg)
-        i += 1
-    return overrides, unknown
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -96,7 +77,7 @@ COMMANDS = {"run": _cmd_run, "config": _cmd_config}
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    overrides, unknown = split_overrides(extra)
+    overrides, unknown = group_override_tokens(extra)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --section.field=value)")
     try:

@@ -61,6 +61,29 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
+def group_override_tokens(tokens: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Join ``--section.field value`` pairs into ``--section.field=value``.
+
+    Returns (overrides, other tokens). A bare ``--section.flag`` means ``true``.
+    """
+    tokens = list(tokens)
+    overrides, others = [], []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        key = token[2:].split("=", 1)[0]
+        if token.startswith("--") and "." in key:
+            if "=" not in token:
+                has_value = i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
+                token = f"{token}={tokens[i + 1]}" if has_value else f"{token}=true"
+                i += has_value
+            overrides.append(token)
+        else:
+            others.append(token)
+        i += 1
+    return overrides, others
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -144,7 +167,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     if path is not None:
         merge(config, read_toml(path), str(path), problems)
     nested: dict[str, dict[str, Any]] = {}
-    for text in overrides:
+    grouped, stray = group_override_tokens(overrides)
+    problems.extend(f"'{token}' is not an override of the form --section.field=value" for token in stray)
+    for text in grouped:
         try:
             section, name, value = parse_override(text)
         except ConfigError as exc:

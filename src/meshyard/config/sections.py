@@ -23,7 +23,7 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = option(
-        "gpt-tiny",
+        "gpt-mini",
         "Preset (gpt-tiny, gpt-mini, gpt-small, gpt-medium, gpt2-124m), 'gpt' for a custom "
         "size, 'mlp', or your own builder as 'package.module:function' or 'path/file.py:function'.",
     )
@@ -82,7 +82,7 @@ class OptimConfig:
     """Optimizer, learning-rate schedule and batch-size scaling."""
 
     name: Literal["adamw", "sgd"] = option("adamw", "Optimizer: 'adamw' or 'sgd'.")
-    lr: float = option(1e-3, "Peak learning rate at the reference batch size.")
+    lr: float = option(3e-3, "Peak learning rate at the reference batch size.")
     weight_decay: float = option(0.1, "Decoupled weight decay (AdamW) or L2 penalty (SGD).")
     betas: list = option([0.9, 0.95], "AdamW beta1 and beta2.")
     eps: float = option(1e-8, "AdamW epsilon.")

@@ -91,17 +91,17 @@ def validate(cfg: Config, world_size: int) -> ValidatedLayout:
     for key in ("dp_replicate", "dp_shard"):
         if getattr(p, key) < 0:
             problems.append(f"parallel.{key} = {getattr(p, key)} must not be negative (0 derives it)")
-    if p.dp_replicate >= 0 and p.dp_shard >= 0:
+    if p.strategy == "none" and world_size > 1:
+        problems.append(
+            f"parallel.strategy = 'none' runs one process but the world size is {world_size}; "
+            "use --nproc 1 or choose 'ddp', 'fsdp' or 'zero1'"
+        )
+    elif p.dp_replicate >= 0 and p.dp_shard >= 0:
         try:
             dims = ParallelDims.resolve(p.strategy, world_size, p.dp_replicate, p.dp_shard)
         except ParallelDimsError as exc:
             problems.extend(exc.problems)
     if dims is not None:
-        if p.strategy == "none" and world_size > 1:
-            problems.append(
-                f"parallel.strategy = 'none' runs one process but the world size is {world_size}; "
-                "use --nproc 1 or choose 'ddp', 'fsdp' or 'zero1'"
-            )
         try:
             batch = BatchPlan.derive(cfg.train.global_batch, dims.dp, cfg.train.micro_batch, cfg.train.grad_accum)
         except BatchPlanError as exc:

@@ -43,7 +43,7 @@ class ProgressDisplay:
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {record['loss']:.4f}{extra}  lr {record['lr']:.2e}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step",
-                highlight=False,
+                highlight=False, soft_wrap=True,
             )
 
     def note(self, text: str) -> None:

@@ -1,0 +1,167 @@
+"""A candidate layout: how a job is spread over devices, and the bytes of each number.
+
+A ``Layout`` is what the planner varies: data-parallel degrees (replicated and
+sharded), the ZeRO stage, tensor and pipeline degrees, micro-batch and accumulation,
+activation checkpointing and CPU offload. ``Precision`` names the bytes per parameter
+of each model state, from which the ZeRO arithmetic follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+AcMode = Literal["none", "selective", "full"]
+PipelineSchedule = Literal["1f1b", "gpipe", "interleaved"]
+STRATEGIES = ("none", "ddp", "zero1", "fsdp2", "fsdp3", "hsdp")
+"""Data-parallel strategies: DDP (ZeRO-0), DDP with a sharded optimizer (ZeRO-1),
+FSDP2 keeping gathered parameters until backward (ZeRO-2) or resharding after forward
+(ZeRO-3), and HSDP (ZeRO-3 inside dp_shard, replicated across dp_replicate)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and of activations.
+
+    ``param`` is the stored parameter the optimizer updates in place, unless ``master``
+    is non-zero: then an fp32 master copy lives in the optimizer (Megatron/DeepSpeed
+    style) and ``param`` is the low-precision working copy.
+    """
+
+    name: str
+    param: int
+    grad: int
+    master: int
+    state: int
+    """Optimizer state bytes per parameter per state tensor (fp32 Adam moments: 4)."""
+    compute: int
+    """Bytes of a parameter as used in matmuls (gathered/cast copies, communication)."""
+    activation: int
+    """Bytes of one saved activation element."""
+    peak_dtype: str
+    """Which peak FLOP rate of the device applies: 'fp32', 'bf16' or 'fp16'."""
+
+    def optimizer_bytes(self, n_states: int) -> int:
+        """Master copy plus ``n_states`` moment tensors per parameter (the ZeRO paper's K)."""
+        return self.master + n_states * self.state
+
+
+PRECISIONS: dict[str, Precision] = {
+    # Everything in fp32: 4 + 4 + 8 = 16 bytes/param with Adam. meshyard's CPU default.
+    "fp32": Precision("fp32", param=4, grad=4, master=0, state=4, compute=4, activation=4, peak_dtype="fp32"),
+    # meshyard on GPUs: fp32 parameters cast to bf16 for compute (FSDP2
+    # MixedPrecisionPolicy or autocast), gradients reduced in fp32: 16 bytes/param.
+    "bf16": Precision("bf16", param=4, grad=4, master=0, state=4, compute=2, activation=2, peak_dtype="bf16"),
+    "fp16": Precision("fp16", param=4, grad=4, master=0, state=4, compute=2, activation=2, peak_dtype="fp16"),
+    # Megatron/DeepSpeed mixed precision: bf16 params and grads, fp32 master + moments in
+    # the optimizer: 2 + 2 + 12 = 16 bytes/param, the ZeRO paper's accounting (K = 12).
+    "bf16-master": Precision(
+        "bf16-master", param=2, grad=2, master=4, state=4, compute=2, activation=2, peak_dtype="bf16"
+    ),
+}
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+"""Moment tensors per parameter: Adam keeps two (m, v), SGD with momentum one."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a job: degrees, batch shape, numerics and memory savers."""
+
+    strategy: str = "ddp"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1
+    seq_len: int = 1024
+    precision: Precision = PRECISIONS["bf16"]
+    optimizer: str = "adamw"
+    ac: AcMode = "none"
+    offload: bool = False
+    """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer live on the host."""
+    sequence_parallel: bool = True
+    """With tp > 1, split norms and residuals along the sequence (Megatron SP)."""
+    vocab_parallel: bool = True
+    """With tp > 1, shard the embedding and output head over the vocabulary."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    pp_virtual: int = 1
+    """Model chunks per pipeline rank for the interleaved schedule."""
+    bucket_mb: float = 25.0
+    """DDP bucket size: the last bucket's all-reduce cannot overlap with backward."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches run at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def zero_stage(self) -> int:
+        """0 for DDP/none, 1 for a sharded optimizer, 2 or 3 for FSDP2 parameter sharding."""
+        return {"none": 0, "ddp": 0, "zero1": 1, "fsdp2": 2, "fsdp3": 3, "hsdp": 3}[self.strategy]
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks over which model states are sharded (the ZeRO paper's N_d)."""
+        if self.strategy == "zero1":
+            return self.dp
+        if self.strategy in ("fsdp2", "fsdp3", "hsdp"):
+            return self.dp_shard
+        return 1
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step across the job."""
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def n_optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def describe(self) -> str:
+        """Short label such as ``fsdp3 dp=8 tp=2 pp=1``."""
+        if self.strategy == "hsdp":
+            dp = f"dp={self.dp_replicate}x{self.dp_shard}"
+        else:
+            dp = f"dp={self.dp}"
+        return f"{self.strategy} {dp} tp={self.tp} pp={self.pp}"
+
+    def with_(self, **changes: object) -> "Layout":
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard: int = 0, **kwargs: object) -> Layout:
+    """Build a layout from a strategy and a world size, deriving the data-parallel degrees.
+
+    ``shard`` is the dp_shard degree for ``hsdp`` (the rest is replicated); other
+    strategies replicate (ddp, zero1) or shard (fsdp2, fsdp3) over all data-parallel ranks.
+    Raises ValueError when the degrees do not divide the world size.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"tp={tp} x pp={pp} does not divide {world_size} devices")
+    dp = world_size // (tp * pp)
+    if strategy == "none":
+        if dp != 1:
+            raise ValueError(f"strategy 'none' needs tp x pp = {world_size}, not {tp * pp}")
+        return Layout(strategy=strategy, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
+    if strategy in ("ddp", "zero1"):
+        return Layout(strategy=strategy, dp_replicate=dp, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
+    if strategy == "hsdp":
+        shard = shard or dp
+        if dp % shard:
+            raise ValueError(f"hsdp shard degree {shard} does not divide the data-parallel degree {dp}")
+        return Layout(strategy=strategy, dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp,
+                      **kwargs)  # type: ignore[arg-type]
+    return Layout(strategy=strategy, dp_shard=dp, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,173 @@
+"""What the planner needs to know about a model: parameters, FLOPs and activations.
+
+A ``ModelDescription`` is pure arithmetic, built either in closed form from a GPT shape
+(``describe_gpt``) or by tracing any module built on the meta device
+(``meshyard.plan.trace.describe_module``). Everything downstream (memory, cost, search)
+reads only this object, never the module.
+
+Conventions:
+
+- Parameter counts are exact and count a tied weight once.
+- FLOPs follow PaLM (Chowdhery et al. 2022, appendix B): per token, a forward pass costs
+  ``2 x (weights used in matmuls) + 4 x n_layer x seq x d_model`` (the attention score
+  and value products, counted in full although a causal mask could skip half). Backward
+  costs twice the forward. The output head counts as a matmul even when tied.
+- Activations are the bytes autograd saves for backward, per token, in "units" of
+  ``d_model`` elements so that the dtype and tensor-parallel degree can be applied
+  later. The split into ``replicated`` and ``sharded`` units is what tensor parallelism
+  divides (Korthikanti et al. 2022, "Reducing Activation Recomputation").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshyard.models.gpt import GPTShape
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Bytes saved for backward by one block, per token, split by how TP treats them.
+
+    With tensor parallelism of degree ``tp`` (and optionally sequence parallelism) a
+    block saves ``(replicated + sharded / tp) x d_model`` elements per token, where
+    ``replicated`` becomes ``sp_replicated + (replicated - sp_replicated) / tp`` under
+    sequence parallelism.
+    """
+
+    replicated: float
+    """Units (of d_model elements) every TP rank holds in full: norm inputs and outputs."""
+    sharded: float
+    """Units TP splits across ranks: qkv, attention output, MLP hidden and its activation."""
+    sp_replicated: float
+    """Units still held in full under sequence parallelism: the gathered norm outputs that
+    the column-parallel linears save as their input."""
+    fp32_bytes_per_token: float
+    """Statistics kept in fp32 whatever the compute dtype (norm mean/rstd)."""
+    fp32_bytes_per_token_sharded: float
+    """fp32 statistics split by TP (attention log-sum-exp, one per head)."""
+    mask_bytes_per_token: float
+    """Dropout masks (one byte per element) when dropout > 0."""
+
+    @property
+    def total_units(self) -> float:
+        return self.replicated + self.sharded
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Sizes and costs of one model, independent of how it is laid out on devices."""
+
+    name: str
+    n_params: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    context_length: int
+    layer_params: int
+    """Parameters of one repeated block (all blocks are identical)."""
+    embedding_params: int
+    """Parameters outside the blocks used on the first pipeline stage (token/position tables)."""
+    head_params: int
+    """Parameters outside the blocks used on the last pipeline stage (final norm, untied head)."""
+    matmul_params_per_layer: int
+    """Weights of one block that take part in a matmul (FLOPs = 2 per weight per token)."""
+    head_matmul_params: int
+    """Weights of the output projection (counted for FLOPs even when tied)."""
+    activations: ActivationProfile
+    head_saved_units: float
+    """Units of d_model saved per token after the last block (final norm input and output)."""
+    largest_param: int = 0
+    """Elements of the largest single parameter (bounds per-tensor optimizer temporaries)."""
+    tied_embeddings: bool = True
+    mlp_hidden: int = 0
+    tp_capable: bool = True
+    """Whether the block layout is known well enough to split it with tensor parallelism."""
+    exact_activations: bool = False
+    """True when activations come from tracing the module rather than the GPT closed form."""
+
+    @property
+    def block_params(self) -> int:
+        return self.n_layer * self.layer_params
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one forward pass per token (PaLM convention, see module docstring)."""
+        matmul = self.n_layer * self.matmul_params_per_layer + self.head_matmul_params
+        attention = 4.0 * self.n_layer * seq_len * self.d_model
+        return 2.0 * matmul + attention
+
+    def training_flops_per_token(self, seq_len: int) -> float:
+        """Forward plus backward (twice the forward): the 6N + 12 L d T of PaLM."""
+        return 3.0 * self.forward_flops_per_token(seq_len)
+
+    def layer_forward_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of one block per token."""
+        return 2.0 * self.matmul_params_per_layer + 4.0 * seq_len * self.d_model
+
+    def head_forward_flops_per_token(self) -> float:
+        """Forward FLOPs of the output projection per token."""
+        return 2.0 * self.head_matmul_params
+
+
+def gpt_activation_profile(shape: GPTShape) -> ActivationProfile:
+    """Saved tensors of one ``meshyard.models.gpt.Block`` per token, in d_model units.
+
+    Counted from what autograd keeps (checked against ``saved_tensors_hooks`` in tests):
+    ln_1 input (the residual) 1, ln_1 output 1 (saved by qkv), qkv output 3 (q, k, v for
+    attention backward), attention output 1 (SDPA's output, whose transposed view is the
+    projection's input), ln_2 input 1, ln_2 output 1 (saved by fc), fc output r (saved
+    by GELU) and GELU output r (saved by the MLP projection), r = mlp_ratio. That is
+    ``4 + 4 + 2r`` = 16 units for r = 4; Korthikanti et al. count 17 with a separate
+    copy of the attention output and dropout masks. Fused (flash) attention stores a
+    log-sum-exp per head and no T x T scores.
+    """
+    r = shape.mlp_ratio
+    dropout = shape.dropout > 0
+    return ActivationProfile(
+        replicated=4.0,
+        sharded=4.0 + 2.0 * r,
+        sp_replicated=2.0,
+        fp32_bytes_per_token=2 * 2 * 4.0,  # two LayerNorms x (mean, rstd) x fp32
+        fp32_bytes_per_token_sharded=4.0 * shape.n_head,  # log-sum-exp per head, fp32
+        # Residual dropouts after attention and MLP, and attention-probability dropout
+        # is regenerated from the RNG state by fused kernels (no mask kept).
+        mask_bytes_per_token=2.0 * shape.d_model if dropout else 0.0,
+    )
+
+
+def describe_gpt(shape: GPTShape, name: str = "gpt") -> ModelDescription:
+    """Closed-form description of ``meshyard.models.gpt.GPT(shape)``.
+
+    ``n_params`` equals ``sum(p.numel() for p in GPT(shape).parameters())`` exactly.
+    """
+    d, v, ctx = shape.d_model, shape.vocab_size, shape.context_length
+    hidden = shape.mlp_ratio * d
+    bias = 1 if shape.bias else 0
+    norm = d * (1 + bias)  # LayerNorm weight (+ bias)
+    attn_matmul = d * 3 * d + d * d
+    mlp_matmul = d * hidden + hidden * d
+    attn_bias = bias * (3 * d + d)
+    mlp_bias = bias * (hidden + d)
+    layer = 2 * norm + attn_matmul + attn_bias + mlp_matmul + mlp_bias
+    embedding = v * d + ctx * d
+    head = norm + (0 if shape.tie_embeddings else v * d)
+    return ModelDescription(
+        name=name,
+        n_params=shape.n_layer * layer + embedding + head,
+        n_layer=shape.n_layer,
+        d_model=d,
+        n_head=shape.n_head,
+        vocab_size=v,
+        context_length=ctx,
+        layer_params=layer,
+        embedding_params=embedding,
+        head_params=head,
+        matmul_params_per_layer=attn_matmul + mlp_matmul,
+        head_matmul_params=v * d,
+        activations=gpt_activation_profile(shape),
+        head_saved_units=2.0,  # ln_f input, ln_f output (saved by lm_head)
+        largest_param=max(v * d, ctx * d, 3 * d * d, d * hidden),
+        tied_embeddings=shape.tie_embeddings,
+        mlp_hidden=hidden,
+    )

@@ -1,0 +1,33 @@
+"""Shared fixtures: every test leaves no process group behind, and runs stay in tmp dirs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from meshyard.config.load import load_config
+from meshyard.config.sections import Config
+
+
+@pytest.fixture(autouse=True)
+def destroy_process_groups():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tiny_config(tmp_path: Path, *overrides: str) -> Config:
+    """A seconds-long job: 2-layer GPT, short samples, random tokens, records under tmp_path."""
+    base = [
+        "--model.name=gpt-tiny", "--data.source=random", "--data.seq_len=32", "--data.random_tokens=65536",
+        "--train.steps=4", "--train.global_batch=8", "--train.eval_every=0", "--optim.warmup_steps=2",
+        "--metrics.progress_bar=false", f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    return lambda *overrides: tiny_config(tmp_path, *overrides)
