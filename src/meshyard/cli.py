@@ -7,7 +7,9 @@ import sys
 
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, group_override_tokens, load_config
+from meshyard.config.validate import load_and_validate
 from meshyard.launch.local import WorkerFailure
+from meshyard.runtime.environment import detect_environment
 
 EXIT_BAD_INPUT = 2
 
@@ -58,7 +60,8 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.nproc is not None:
         overrides = [*overrides, f"--run.nproc={args.nproc}"]
-    config = load_config(args.config, overrides)
+    env = detect_environment()
+    config, _ = load_and_validate(args.config, overrides, env.world_size if env else None)
     result = run(config)
     if result.summary is not None:
         print(f"meshyard: finished; records in {result.run_dir}", flush=True)
@@ -76,10 +79,10 @@ COMMANDS = {"run": _cmd_run, "config": _cmd_config}
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    overrides, unknown = group_override_tokens(extra)
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --section.field=value)")
+    # Overrides are taken out first so that '--model.name gpt-mini' never lends its
+    # value to a positional argument.
+    overrides, rest = group_override_tokens(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
     try:
         return COMMANDS[args.command](args, overrides)
     except ConfigError as exc:

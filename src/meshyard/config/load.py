@@ -157,15 +157,18 @@ def merge(config: Config, values: dict[str, Any], origin: str, problems: list[st
                 setattr(section, key, value)
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Resolve defaults < TOML file < overrides into a validated-by-type ``Config``.
+def collect_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> tuple[Config, list[str]]:
+    """Resolve defaults < TOML file < overrides; return the config and every problem met.
 
-    Cross-field checks that need the world size live in ``meshyard.config.validate``.
+    A value with a problem is left at its previous value so later checks can go on.
     """
     config = Config()
     problems: list[str] = []
     if path is not None:
-        merge(config, read_toml(path), str(path), problems)
+        try:
+            merge(config, read_toml(path), str(path), problems)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     nested: dict[str, dict[str, Any]] = {}
     grouped, stray = group_override_tokens(overrides)
     problems.extend(f"'{token}' is not an override of the form --section.field=value" for token in stray)
@@ -177,6 +180,15 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             continue
         nested.setdefault(section, {})[name] = value
     merge(config, nested, "command line", problems)
+    return config, problems
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Resolve defaults < TOML file < overrides into a ``Config`` checked field by field.
+
+    Cross-field checks that need the world size live in ``meshyard.config.validate``.
+    """
+    config, problems = collect_config(path, overrides)
     if problems:
         raise ConfigError(problems)
     return config

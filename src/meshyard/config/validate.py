@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
 
-from meshyard.config.load import ConfigError, did_you_mean
+from meshyard.config.load import ConfigError, collect_config, did_you_mean
 from meshyard.config.sections import Config
 from meshyard.models.registry import MODEL_NAMES
 from meshyard.plugins import is_custom_reference
@@ -82,9 +84,18 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
     need(cfg.run.max_restarts >= 0, f"run.max_restarts = {cfg.run.max_restarts} must not be negative")
 
 
-def validate(cfg: Config, world_size: int) -> ValidatedLayout:
+def load_and_validate(
+    path: str | Path | None, overrides: Iterable[str], world_size: int | None = None
+) -> tuple[Config, ValidatedLayout]:
+    """Load and check a config in one pass, so type errors and impossible combinations
+    are reported together. ``world_size`` defaults to ``run.nproc``."""
+    cfg, problems = collect_config(path, overrides)
+    return cfg, validate(cfg, world_size or cfg.run.nproc, problems)
+
+
+def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ()) -> ValidatedLayout:
     """Check ``cfg`` for a job of ``world_size`` ranks; raise one ``ConfigError`` listing all problems."""
-    problems: list[str] = []
+    problems: list[str] = list(earlier_problems)
     _check_ranges(cfg, problems)
     dims = batch = None
     p = cfg.parallel

@@ -67,7 +67,13 @@ class ParallelDims:
         elif strategy == "fsdp":
             dp_replicate = dp_replicate or 1
             if not dp_shard:
-                dp_shard = rest // dp_replicate if rest and rest % dp_replicate == 0 else 0
+                if not rest or rest % dp_replicate:
+                    raise ParallelDimsError([
+                        f"parallel.dp_replicate = {dp_replicate} does not divide the world size {world_size} "
+                        f"(degrees do not multiply to the world size); use a divisor of {world_size} or "
+                        "change the number of processes (--nproc)"
+                    ])
+                dp_shard = rest // dp_replicate
         else:  # none
             if (dp_replicate or 1) != 1 or (dp_shard or 1) != 1:
                 raise ParallelDimsError(

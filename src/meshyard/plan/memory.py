@@ -1,0 +1,271 @@
+"""Peak memory per device for a layout, with the arithmetic of every line visible.
+
+Notation used in the formulas: Psi = parameters held by one tensor/pipeline rank,
+N = ranks the model states are sharded over, p/g = bytes of a parameter/gradient,
+K = optimizer bytes per parameter (master copy + moments), c = compute bytes, a =
+activation bytes, t = tokens per micro-batch.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, section 5) for the stages
+meshyard runs: DDP (p + g + K) Psi; ZeRO-1 (p + g) Psi + K Psi / N; ZeRO-3 (p + g + K)
+Psi / N. meshyard's ZeRO-2 is FSDP2 with ``reshard_after_forward=False``: the stored
+states are sharded like ZeRO-3 and the whole model is held gathered (c Psi) from
+forward to backward, which is where its memory goes.
+
+A step is modelled as three moments and the peak is the largest:
+
+1. start of backward: everything forward saved, plus the loss's gradient buffers;
+2. end of backward: all gradients, activations freed;
+3. optimizer step: gradients, states and the optimizer's temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from meshyard.plan.layout import Layout
+from meshyard.plan.model import ModelDescription
+from meshyard.plan.stage import StageShape, stage_shapes
+from meshyard.plan.units import fmt_bytes, fmt_count
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    """One line of the estimate: what it is, its bytes and how they were computed."""
+
+    name: str
+    bytes: float
+    formula: str
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak device memory of the most loaded pipeline stage, and what it is made of."""
+
+    items: tuple[MemoryItem, ...]
+    """The lines present at the peak moment, in display order."""
+    peak_bytes: float
+    peak_moment: str
+    moments: dict[str, float] = field(default_factory=dict)
+    """Total bytes at each modelled moment of the step."""
+    host_bytes: float = 0.0
+    """Bytes kept in host memory by CPU offload."""
+    stage: int = 0
+
+    def item(self, name: str) -> float:
+        """Bytes of the named line (0 when absent)."""
+        return sum(i.bytes for i in self.items if i.name == name)
+
+    @property
+    def model_state_bytes(self) -> float:
+        return sum(self.item(n) for n in ("parameters", "gradients", "optimizer states"))
+
+
+def model_state_items(shape: StageShape, layout: Layout) -> list[MemoryItem]:
+    """Parameters, gradients and optimizer states of one device, per the ZeRO stage."""
+    prec, psi, n, stage = layout.precision, shape.params, layout.shard_degree, layout.zero_stage
+    k = prec.optimizer_bytes(layout.n_optimizer_states)
+    ps = fmt_count(psi)
+    where = "host" if layout.offload else None
+    items = []
+    if stage >= 2:
+        items.append(_item("parameters", prec.param * psi / n, f"p*Psi/N = {prec.param} B x {ps} / {n}", where))
+        items.append(_item("gradients", prec.grad * psi / n, f"g*Psi/N = {prec.grad} B x {ps} / {n}", where))
+    else:
+        items.append(MemoryItem("parameters", prec.param * psi, f"p*Psi = {prec.param} B x {ps}"))
+        items.append(MemoryItem("gradients", prec.grad * psi, f"g*Psi = {prec.grad} B x {ps}"))
+    opt_n = 1 if stage == 0 else n
+    k_text = f"K = {prec.master} master + {layout.n_optimizer_states} x {prec.state}"
+    items.append(_item("optimizer states", k * psi / opt_n, f"K*Psi/{opt_n} ({k_text}) x {ps}", where))
+    return items
+
+
+def _item(name: str, value: float, formula: str, where: str | None = None) -> MemoryItem:
+    if where == "host":
+        return MemoryItem(name, 0.0, f"offloaded to host: {formula}")
+    return MemoryItem(name, value, formula)
+
+
+def activation_bytes_per_layer(desc: ModelDescription, layout: Layout) -> float:
+    """Bytes one block saves for backward for one micro-batch, without checkpointing."""
+    prof, tp, t = desc.activations, layout.tp, layout.tokens_per_micro_batch
+    if tp > 1 and layout.sequence_parallel:
+        replicated = prof.sp_replicated + (prof.replicated - prof.sp_replicated) / tp
+        masks = prof.mask_bytes_per_token / tp
+    else:
+        replicated, masks = prof.replicated, prof.mask_bytes_per_token
+    units = replicated + prof.sharded / tp
+    per_token = (units * desc.d_model * layout.precision.activation + prof.fp32_bytes_per_token
+                 + prof.fp32_bytes_per_token_sharded / tp + masks)
+    return per_token * t
+
+
+def _checkpointed_layer_bytes(desc: ModelDescription, layout: Layout) -> float:
+    """What a checkpointed block keeps: its input (split along the sequence under SP)."""
+    split = layout.tp if layout.tp > 1 and layout.sequence_parallel else 1
+    return layout.tokens_per_micro_batch * desc.d_model * layout.precision.activation / split
+
+
+def activation_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+    """Saved activations of the stage's blocks for every micro-batch it holds in flight."""
+    full = activation_bytes_per_layer(desc, layout)
+    layers, flight = shape.layers, shape.in_flight
+    t = layout.tokens_per_micro_batch
+    if layout.ac == "none" or layers == 0:
+        per_mb, text = layers * full, f"{layers} layers x {fmt_bytes(full)}"
+    else:
+        ckpt = _checkpointed_layer_bytes(desc, layout)
+        recomputed = layers if layout.ac == "full" else layers // 2
+        per_mb = recomputed * ckpt + (layers - recomputed) * full
+        text = f"{recomputed} checkpointed x {fmt_bytes(ckpt)} + {layers - recomputed} x {fmt_bytes(full)}"
+    items = [MemoryItem("activations", flight * per_mb,
+                        f"{_fmt_flight(flight)} micro-batch x ({text}); per layer "
+                        f"{full / t:.0f} B/token at t={t}")]
+    if layout.ac != "none" and layers:
+        items.append(MemoryItem("recompute", full, "one block's activations rebuilt during its backward"))
+    return items
+
+
+def _fmt_flight(flight: float) -> str:
+    return f"{flight:g}" if flight == int(flight) else f"{flight:.2f}"
+
+
+def io_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+    """Inputs, targets and the loss: token ids, the final norm, log-softmax and its gradients.
+
+    The loss is computed in fp32 (``logits.float()``); at the start of backward the saved
+    log-softmax output, the gradient arriving at it and the gradient it passes to the
+    logits coexist: 3 x t x V x 4 bytes (V split by TP when the head is vocab-parallel).
+    """
+    t, items = layout.tokens_per_micro_batch, []
+    if shape.first:
+        items.append(MemoryItem("inputs", shape.in_flight * t * 8, "int64 token ids saved by the embedding"))
+    if shape.last:
+        vocab = desc.vocab_size / (layout.tp if layout.vocab_parallel and layout.tp > 1 else 1)
+        head = t * (desc.head_saved_units * desc.d_model * layout.precision.activation + 8)
+        items.append(MemoryItem("final norm", shape.last_in_flight * head,
+                                f"{desc.head_saved_units:g} x d x a per token + int64 targets"))
+        items.append(MemoryItem("loss", 3 * t * vocab * 4,
+                                f"3 x t x V = 3 x {t} x {fmt_count(vocab)} x 4 B (fp32 log-softmax and grads)"))
+    return items
+
+
+def gathered_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+    """Full-size parameter copies that exist during forward and backward.
+
+    FSDP2 ZeRO-3 keeps the root (embeddings, head) gathered from forward to backward and
+    up to two blocks at a time (the current one and the prefetched next); ZeRO-2 keeps
+    every block. DDP under autocast keeps the low-precision weight casts that matmuls
+    saved for backward.
+    """
+    prec, c = layout.precision, layout.precision.compute
+    if layout.zero_stage >= 2:
+        if layout.zero_stage == 2:
+            return [MemoryItem("gathered parameters", c * shape.params,
+                               f"c*Psi = {c} B x {fmt_count(shape.params)} held from forward to backward")]
+        blocks = min(2, shape.layers)
+        count = shape.root_params + blocks * shape.block_params
+        return [MemoryItem("gathered parameters", c * count,
+                           f"c x (root {fmt_count(shape.root_params)} + {blocks} blocks x "
+                           f"{fmt_count(shape.block_params)})")]
+    if c < prec.param:
+        return [MemoryItem("gathered parameters", c * shape.params,
+                           f"autocast weight casts saved for backward: {c} B x {fmt_count(shape.params)}")]
+    return []
+
+
+def buffer_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+    """Communication buffers in flight: FSDP2 reduce-scatter, TP and PP transfers."""
+    items, prec = [], layout.precision
+    act = layout.tokens_per_micro_batch * desc.d_model * prec.activation
+    if layout.zero_stage >= 2 and layout.shard_degree > 1:
+        # Unsharded gradients of one block plus the flat copy reduce-scatter reads.
+        items.append(MemoryItem("reduce-scatter", 2 * prec.grad * shape.block_params,
+                                f"2 x g x {fmt_count(shape.block_params)} (one block's gradients)"))
+    if layout.tp > 1:
+        items.append(MemoryItem("tp collectives", 2 * act, "2 x t x d x a (gathered input, reduced output)"))
+    if layout.pp > 1:
+        items.append(MemoryItem("pp transfers", 2 * act, "2 x t x d x a (activation sent, gradient received)"))
+    return items
+
+
+def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: Layout, foreach: bool) -> float:
+    """Scratch memory of the optimizer step.
+
+    torch's foreach AdamW (the GPU default) builds one fp32 temporary per parameter it
+    updates; the single-tensor loop (the CPU default) only two of the largest tensor.
+    """
+    local = shape.params / max(1, layout.shard_degree if layout.zero_stage >= 1 else 1)
+    if layout.offload:
+        return 0.0
+    if foreach:
+        return 4.0 * local
+    largest = min(desc.largest_param / layout.tp, local) if desc.largest_param else local
+    return 2 * 4.0 * largest
+
+
+def estimate_memory(
+    desc: ModelDescription, layout: Layout, foreach: bool = True, stage: int | None = None
+) -> MemoryEstimate:
+    """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``."""
+    shapes = stage_shapes(desc, layout)
+    if stage is not None:
+        return _estimate_stage(desc, layout, shapes[stage], foreach)
+    estimates = [_estimate_stage(desc, layout, s, foreach) for s in shapes]
+    return max(estimates, key=lambda e: e.peak_bytes)
+
+
+def _estimate_stage(desc: ModelDescription, layout: Layout, shape: StageShape, foreach: bool) -> MemoryEstimate:
+    states = model_state_items(shape, layout)
+    params, grads, optim = (i.bytes for i in states)
+    acts = activation_items(desc, shape, layout)
+    ios = io_items(desc, shape, layout)
+    gathered = gathered_items(desc, shape, layout)
+    buffers = buffer_items(desc, shape, layout)
+    stage = layout.zero_stage
+    # Gradients that exist while forward runs: DDP's buckets are the gradients and
+    # persist; with accumulation the previous micro-batches' gradients do too (FSDP2
+    # accumulates them unsharded until the last micro-batch's reduce-scatter).
+    grads_fwd = grads if stage in (0, 1) and layout.strategy != "none" else 0.0
+    accum_items: list[MemoryItem] = []
+    if layout.grad_accum > 1:
+        if stage >= 2:
+            full = layout.precision.grad * shape.params
+            accum_items.append(MemoryItem("accumulated gradients", full,
+                                          f"unsharded g*Psi = {layout.precision.grad} B x "
+                                          f"{fmt_count(shape.params)} between reduce-scatters"))
+        else:
+            grads_fwd = grads
+    accum = sum(i.bytes for i in accum_items)
+    total = lambda items: sum(i.bytes for i in items)  # noqa: E731 - local shorthand
+    start_bwd = params + optim + grads_fwd + accum + total(acts) + total(ios) + total(gathered) + total(buffers)
+    gathered_bwd = total(gathered) if stage != 2 else 0.0
+    end_bwd = params + optim + grads + accum + gathered_bwd + total(buffers)
+    temp = optimizer_temp_bytes(desc, shape, layout, foreach)
+    opt_step = params + optim + grads + temp
+    moments = {"start of backward": start_bwd, "end of backward": end_bwd, "optimizer step": opt_step}
+    moment = max(moments, key=moments.__getitem__)
+    items = [i for i in states if moment != "start of backward" or i.name != "gradients" or grads_fwd]
+    if moment == "start of backward":
+        items += accum_items + acts + ios + gathered + buffers
+    elif moment == "end of backward":
+        items += accum_items + (gathered if gathered_bwd else []) + buffers
+    else:
+        items.append(MemoryItem("optimizer temporaries", temp,
+                                "4 B x Psi/N (foreach)" if foreach else "2 x 4 B x largest parameter"))
+    host = 0.0
+    if layout.offload:
+        prec = layout.precision
+        host = (prec.param + prec.grad + prec.optimizer_bytes(layout.n_optimizer_states)) * shape.params \
+            / layout.shard_degree
+    return MemoryEstimate(items=tuple(items), peak_bytes=moments[moment], peak_moment=moment,
+                          moments=moments, host_bytes=host, stage=shape.index)
+
+
+def fits(estimate: MemoryEstimate, device_bytes: float, headroom: float) -> bool:
+    """Whether the peak fits in ``device_bytes`` with a ``headroom`` fraction kept free."""
+    return estimate.peak_bytes <= device_bytes * (1.0 - headroom)
+
+
+def usable_bytes(device_bytes: float, headroom: float) -> float:
+    return math.floor(device_bytes * (1.0 - headroom))

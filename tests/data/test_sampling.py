@@ -1,0 +1,86 @@
+"""Sharding: ranks disjoint and complete per step, deterministic, independent of world size."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from meshyard.data.sampling import GlobalBatchSampler, eval_indices
+
+
+def rank_batches(dp_size: int, steps: int, micro: int, global_batch: int = 8, n: int = 50, seed: int = 0):
+    """Per step, the concatenated samples of all ranks in rank order."""
+    samplers = [iter(GlobalBatchSampler(n, global_batch, micro, r, dp_size, seed)) for r in range(dp_size)]
+    per_rank_micro = global_batch // dp_size // micro
+    out = []
+    for _ in range(steps):
+        step = []
+        for it in samplers:
+            step.extend(itertools.chain.from_iterable(next(it) for _ in range(per_rank_micro)))
+        out.append(step)
+    return out
+
+
+def test_ranks_disjoint_and_cover_each_global_batch():
+    steps = rank_batches(dp_size=4, steps=6, micro=1)
+    for step in steps:
+        assert len(step) == len(set(step)) == 8
+    seen = list(itertools.chain.from_iterable(steps[:6]))  # 48 of 50 samples: one epoch, no repeats
+    assert len(seen) == len(set(seen))
+
+
+def test_same_samples_per_step_for_any_world_size_and_micro_batch():
+    reference = rank_batches(dp_size=1, steps=10, micro=8)
+    for dp, micro in [(2, 4), (2, 1), (4, 2), (8, 1)]:
+        assert rank_batches(dp, 10, micro) == reference, (dp, micro)
+
+
+def test_deterministic_from_seed_and_reshuffled_each_epoch():
+    assert rank_batches(2, 12, 2, seed=7) == rank_batches(2, 12, 2, seed=7)
+    assert rank_batches(2, 12, 2, seed=7) != rank_batches(2, 12, 2, seed=8)
+    sampler = GlobalBatchSampler(50, 8, 8, 0, 1, seed=0)
+    assert sampler.step_indices(0) != sampler.step_indices(sampler.steps_per_epoch)  # epoch 1 differs
+
+
+def test_iterator_state_resumes_mid_step():
+    sampler = GlobalBatchSampler(50, 8, 2, 1, 2, seed=3)
+    full = list(itertools.islice(iter(sampler), 20))
+    first = iter(sampler)
+    for _ in range(7):
+        next(first)
+    state = first.state_dict()
+    resumed = iter(sampler)
+    resumed.load_state_dict(state)
+    assert list(itertools.islice(resumed, 13)) == full[7:]
+
+
+def test_loader_state_roundtrip_through_torchdata():
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset = torch.arange(50)
+    sampler = GlobalBatchSampler(50, 8, 4, 0, 2, seed=1)
+    loader = StatefulDataLoader(dataset, batch_sampler=sampler)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    expected = [next(it).tolist() for _ in range(6)]
+    fresh = StatefulDataLoader(dataset, batch_sampler=GlobalBatchSampler(50, 8, 4, 0, 2, seed=1))
+    fresh.load_state_dict(state)
+    it2 = iter(fresh)
+    assert [next(it2).tolist() for _ in range(6)] == expected
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        GlobalBatchSampler(4, 8, 1, 0, 1, seed=0)
+
+
+def test_eval_indices_disjoint_across_ranks_and_fixed():
+    a = eval_indices(100, 4, 3, 0, 2)
+    b = eval_indices(100, 4, 3, 1, 2)
+    flat_a, flat_b = set(itertools.chain(*a)), set(itertools.chain(*b))
+    assert not flat_a & flat_b and len(flat_a) == 12
+    assert a == eval_indices(100, 4, 3, 0, 2)

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshyard.config.load import load_config
+from meshyard.models.gpt import GPT, GPTShape
+from meshyard.train.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups, scaled_peak_lr
+
+
+def test_warmup_then_cosine_to_floor():
+    values = [lr_multiplier(s, warmup_steps=10, total_steps=110, schedule="cosine", min_lr_ratio=0.1)
+              for s in range(110)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(values[:10], values[1:10]))  # rising warmup
+    assert values[10] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1)  # floor reached at the last step
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))  # monotone decay
+    mid = 10 + 99 // 2
+    assert values[mid] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (mid - 10) / 99)))
+
+
+def test_constant_schedule_and_no_warmup():
+    assert [lr_multiplier(s, 0, 50, "constant", 0.1) for s in (0, 25, 49)] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("rule, expected", [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)])
+def test_lr_scaling(rule, expected):
+    cfg = load_config(None, ["--optim.lr=1e-3", f"--optim.lr_scaling={rule}", "--optim.reference_batch=64"])
+    assert scaled_peak_lr(cfg.optim, global_batch=256) == pytest.approx(expected)
+
+
+def test_scheduler_drives_optimizer_lr():
+    model = torch.nn.Linear(4, 4)
+    cfg = load_config(None, ["--optim.warmup_steps=2", "--optim.schedule=constant"]).optim
+    opt = build_optimizer(model, cfg, peak_lr=0.5)
+    sched = build_scheduler(opt, cfg, total_steps=10)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.25, 0.5, 0.5, 0.5])
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = GPT(GPTShape(vocab_size=16, context_length=8, n_layer=1, n_head=2, d_model=8))
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_sgd():
+    cfg = load_config(None, ["--optim.name=sgd", "--optim.momentum=0.5"]).optim
+    opt = build_optimizer(torch.nn.Linear(2, 2), cfg, peak_lr=0.1)
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.5
