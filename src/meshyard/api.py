@@ -21,7 +21,7 @@ from meshyard.config.dump import config_to_dict
 from meshyard.config.sections import Config
 from meshyard.config.validate import validate
 from meshyard.data.corpus import load_corpus
-from meshyard.launch.local import launch_local
+from meshyard.launch.local import WorkerFailure, launch_local
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import PluginError, is_custom_reference, load_callable
 from meshyard.config.load import ConfigError

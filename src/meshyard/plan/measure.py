@@ -89,26 +89,32 @@ def _allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]
     return sorted(events)
 
 
+def _parallelize(model: torch.nn.Module, probe: MemoryProbe) -> torch.nn.Module:
+    """Wrap ``model`` the way meshyard's data-parallel strategies do, over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
+
+    if probe.world_size == 1:
+        return model
+    mesh = init_device_mesh("cpu", (probe.world_size,), mesh_dim_names=("dp",))
+    if probe.strategy in ("ddp", "zero1"):
+        return apply_ddp(model, mesh)
+    return apply_fsdp(model, mesh, reshard_after_forward=probe.strategy == "fsdp")
+
+
 def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
-    from meshyard.config.sections import OptimConfig, ParallelConfig
-    from meshyard.parallel.parallelize import parallelize
-    from meshyard.runtime.parallel_dims import ParallelDims
+    from meshyard.config.sections import OptimConfig
     from meshyard.train.optim import build_optimizer
 
     torch.manual_seed(0)
-    strategy = "fsdp" if probe.strategy.startswith("fsdp") else probe.strategy
-    dims = ParallelDims.resolve(strategy, probe.world_size)
-    mesh = dims.build_mesh("cpu") if probe.world_size > 1 else None
     generator = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, probe.vocab_size, (probe.micro_batch, probe.seq_len + 1), generator=generator)
                for _ in range(probe.steps)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         marker = torch.empty(1)  # first event: the allocator's total before the model exists
-        model = GPT(probe.shape())
-        if mesh is not None:
-            cfg = ParallelConfig(strategy=strategy, reshard_after_forward=probe.strategy != "fsdp-zero2")
-            model = parallelize(model, dims, mesh, cfg)
-        shard_group = mesh["dp_replicate"].get_group() if strategy == "zero1" and mesh is not None else None
+        model = _parallelize(GPT(probe.shape()), probe)
+        shard_group = dist.group.WORLD if probe.strategy == "zero1" else None
         optimizer = build_optimizer(model, OptimConfig(), 1e-3, shard_group=shard_group)
         for tokens in batches:
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
