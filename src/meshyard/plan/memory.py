@@ -179,9 +179,14 @@ def buffer_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> l
     items, prec = [], layout.precision
     act = layout.tokens_per_micro_batch * desc.d_model * prec.activation
     if layout.zero_stage >= 2 and layout.shard_degree > 1:
+        block = fmt_count(shape.block_params)
+        # FSDP2 keeps the last all-gather's output until the next one is copied out, so
+        # the CPU cannot run ahead of the collectives.
+        items.append(MemoryItem("all-gather buffer", prec.compute * shape.block_params,
+                                f"c x {block} (one block, held until the next all-gather)"))
         # Unsharded gradients of one block plus the flat copy reduce-scatter reads.
         items.append(MemoryItem("reduce-scatter", 2 * prec.grad * shape.block_params,
-                                f"2 x g x {fmt_count(shape.block_params)} (one block's gradients)"))
+                                f"2 x g x {block} (one block's gradients and their flat copy)"))
     if layout.tp > 1:
         items.append(MemoryItem("tp collectives", 2 * act, "2 x t x d x a (gathered input, reduced output)"))
     if layout.pp > 1:
