@@ -23,7 +23,7 @@ def tiny_config(tmp_path: Path, *overrides: str) -> Config:
     base = [
         "--model.name=gpt-tiny", "--data.source=random", "--data.seq_len=32", "--data.random_tokens=65536",
         "--train.steps=4", "--train.global_batch=8", "--train.eval_every=0", "--optim.warmup_steps=2",
-        "--metrics.progress_bar=false", f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
+        "--metrics.progress_bar=false", "--checkpoint.enabled=false", f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
     ]
     return load_config(None, [*base, *overrides])
 

@@ -11,6 +11,7 @@ Example (a notebook or a launch script of your own)::
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ from meshyard.config.load import ConfigError
 from meshyard.data.corpus import DataSourceError
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.environment import detect_environment
-from meshyard.worker import run_worker
+from meshyard.checkpoint.resume import RESUME_MODES, ResumeError, find_explicit, latest_run_dir
+from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
+from meshyard.worker import run_worker, spawned_worker
 
 
 @dataclass(frozen=True)
@@ -64,29 +67,54 @@ def prepare_inputs(config: Config) -> None:
         raise ConfigError(problems)
 
 
-def run(config: Config, nproc: int | None = None) -> RunResult:
+def _resume_target(config: Config, resume: str) -> tuple[Config, str]:
+    """Resolve ``latest`` to the run directory it continues, and check an explicit
+    checkpoint location before any worker starts (a typo fails here, with exit code 2)."""
+    if resume == "latest":
+        previous = latest_run_dir(config.run)
+        if previous is None:
+            raise ConfigError([f"--resume latest: no earlier run named '{config.run.name}' with checkpoints "
+                               f"under {config.run.dir}; use --resume none to start fresh"])
+        return dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(previous))), "auto"
+    if resume not in RESUME_MODES:
+        try:
+            find_explicit(resume, config.checkpoint, lambda message: print(f"meshyard: {message}"))
+        except (ResumeError, OSError) as exc:
+            raise ConfigError([str(exc)]) from None
+    return config, resume
+
+
+def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunResult:
     """Train according to ``config``.
 
     Inside torchrun, Slurm or a Kubeflow pod this process becomes one rank of that job.
     Otherwise ``nproc`` (default ``config.run.nproc``) local workers are started through
-    the elastic agent; with one process the run happens in this process.
-    Raises ``ConfigError`` before starting anything if the configuration is invalid.
+    the elastic agent (restarting them up to ``fault.max_restarts`` times); with one
+    process the run happens in this process.
+
+    ``resume``: ``auto`` (this run directory's newest valid checkpoint, if any),
+    ``latest`` (continue the newest run of this name), ``none``, or a checkpoint, checkpoint
+    folder or run directory (path or URL).
+
+    Raises ``ConfigError`` before starting anything if the configuration is invalid, and
+    ``Preempted`` when the run stopped for a preemption signal after saving.
     """
     env = detect_environment()
     if env is not None:
         validate(config, env.world_size)
-        summary = run_worker(config_to_dict(config))
+        summary = run_worker(config_to_dict(config), "", resume)
         run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run)
         return RunResult(run_dir, summary)
 
     nproc = nproc or config.run.nproc
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, nproc=nproc))
     validate(config, nproc)
+    config, resume = _resume_target(config, resume)
     run_dir = resolve_run_dir(config.run)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"meshyard: run directory {run_dir}", flush=True)
     prepare_inputs(config)
-    args = (config_to_dict(config), str(run_dir))
+    args = (config_to_dict(config), str(run_dir), resume)
     if nproc == 1:
         threads = torch.get_num_threads()
         try:
@@ -94,5 +122,19 @@ def run(config: Config, nproc: int | None = None) -> RunResult:
         finally:
             torch.set_num_threads(threads)
     else:
-        summary = launch_local(run_worker, args, nproc, config.run.max_restarts)[0]
+        try:
+            summary = launch_local(spawned_worker, args, nproc, config.fault.max_restarts,
+                                   config.fault.grace_period_s)[0]
+        except WorkerFailure as failure:
+            if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
+                raise _preemption_from_record(run_dir) from None
+            raise
     return RunResult(run_dir, summary)
+
+
+def _preemption_from_record(run_dir: Path) -> Preempted:
+    try:
+        record = json.loads((run_dir / "preemption.json").read_text())
+    except (OSError, ValueError):
+        return Preempted(-1, "a signal", None)
+    return Preempted(record["step"], record["signal"], record["checkpoint"])

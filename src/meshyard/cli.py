@@ -8,6 +8,7 @@ import sys
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, group_override_tokens, load_config
 from meshyard.config.validate import load_and_validate
+from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.launch.local import WorkerFailure
 from meshyard.runtime.environment import detect_environment
 
@@ -31,6 +32,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
     p.add_argument("--nproc", type=int, help="local worker processes (same as --run.nproc)")
+    p.add_argument("--resume", default="auto", metavar="auto|latest|none|PATH",
+                   help="auto (default): continue from this run directory's newest valid checkpoint; "
+                   "latest: continue the newest run of the same name; none: start fresh; PATH or URL: "
+                   "a checkpoint, checkpoint folder or run directory to start from")
 
 
 def _add_config(subparsers: argparse._SubParsersAction) -> None:
@@ -62,7 +67,7 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"--run.nproc={args.nproc}"]
     env = detect_environment()
     config, _ = load_and_validate(args.config, overrides, env.world_size if env else None)
-    result = run(config)
+    result = run(config, resume=args.resume)
     if result.summary is not None:
         print(f"meshyard: finished; records in {result.run_dir}", flush=True)
     return 0
@@ -91,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as exc:
         print(f"meshyard: {exc}", file=sys.stderr)
         return 1
+    except Preempted as exc:
+        print(f"meshyard: {exc}; continue it with the same command plus --resume latest (or --resume <run dir>)", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print("meshyard: interrupted", file=sys.stderr)
         return 130

@@ -8,10 +8,14 @@ from pathlib import Path
 from meshyard.config.sections import RunConfig
 
 
-def resolve_run_dir(cfg: RunConfig) -> Path:
-    """``run.run_dir`` when given, else a new ``<run.dir>/<run.name>-<timestamp>`` folder."""
+def resolve_run_dir(cfg: RunConfig, job_id: str = "") -> Path:
+    """``run.run_dir`` when given; ``<run.dir>/<run.name>-<job_id>`` inside a cluster job
+    (the same folder after a requeue, so the run resumes); else a new
+    ``<run.dir>/<run.name>-<timestamp>`` folder."""
     if cfg.run_dir:
         return Path(cfg.run_dir).expanduser().resolve()
+    if job_id:
+        return Path(cfg.dir).expanduser().resolve() / f"{cfg.name}-{job_id}"
     base = Path(cfg.dir).expanduser().resolve() / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     candidate, n = base, 1
     while candidate.exists():  # two runs started within the same second

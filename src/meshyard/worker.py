@@ -7,39 +7,63 @@ processes started by torchrun/Slurm/Kubeflow, and of single-process runs.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
+from meshyard.checkpoint.resume import (ResumePoint, checkpoint_root, choose_resume_point, load_resume_point,
+                                        restart_count)
+from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.dump import config_hash, config_to_toml
 from meshyard.config.load import config_from_dict
 from meshyard.config.sections import Config
 from meshyard.config.validate import validate
 from meshyard.data.loader import build_data
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
-from meshyard.metrics.records import JsonlWriter, NullWriter, rank_logger
+from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
+from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger, read_metrics, truncate_metrics
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.parallelize import parallelize
 from meshyard.run_dir import resolve_run_dir
-from meshyard.runtime.distributed import init_distributed, shutdown_distributed
+from meshyard.runtime.distributed import Runtime, init_distributed, shutdown_distributed
 from meshyard.runtime.environment import detect_environment
 from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr
 from meshyard.train.precision import build_precision, resolve_dtype
-from meshyard.train.trainer import Sinks, Trainer
+from meshyard.train.trainer import Trainer
 
 
-def _agree_on_run_dir(cfg: Config, run_dir: str, is_main: bool) -> Path:
-    """Rank 0 chooses the directory when the launcher did not; every rank adopts it."""
-    choice = [run_dir or (str(resolve_run_dir(cfg.run)) if is_main else "")]
+def _cluster_job_id() -> str:
+    """An id that stays the same when a cluster job restarts or is requeued, so the run
+    directory (and its checkpoints) is found again."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm{os.environ['SLURM_JOB_ID']}"
+    return os.environ.get("TORCHELASTIC_RUN_ID", "") if os.environ.get("TORCHELASTIC_RUN_ID") != "none" else ""
+
+
+def _agree(decide: Callable[[], Any], is_main: bool) -> Any:
+    """Rank 0's answer to ``decide()``, on every rank; if rank 0's decision raised, every
+    rank raises it (instead of the others waiting forever for an answer)."""
+    box: list[Any] = [None]
+    if is_main:
+        try:
+            box[0] = decide()
+        except Exception as exc:  # handed to every rank below
+            box[0] = exc
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0])
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
 
 
 def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None:
@@ -55,22 +79,43 @@ def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None
     (run_dir / "run.json").write_text(json.dumps(record, indent=2))
 
 
-def run_worker(config_values: dict[str, Any], run_dir: str = "") -> dict[str, Any] | None:
-    """Train as one rank of the job; rank 0 returns the run summary, others None."""
+def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "auto") -> dict[str, Any] | None:
+    """Train as one rank of the job; rank 0 returns the run summary, others None.
+
+    Raises ``Preempted`` after the preemption checkpoint when a stop signal arrived.
+    """
     cfg = config_from_dict(config_values)
     # torchdata calls a deprecated torch function on every loader start; nothing to act on.
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     runtime = init_distributed(detect_environment(), cfg.run.device, cfg.run.threads_per_rank)
+    watcher = _watch_signals(cfg.fault.signals)
     try:
-        return _train(cfg, runtime, run_dir)
+        return _train(cfg, runtime, run_dir, resume, watcher)
     finally:
+        watcher.restore()
         shutdown_distributed()
 
 
-def _train(cfg: Config, runtime, run_dir_text: str) -> dict[str, Any] | None:
+def spawned_worker(config_values: dict[str, Any], run_dir: str, resume: str) -> dict[str, Any] | None:
+    """Entry point of workers started by the local elastic agent: a preempted worker
+    exits with ``EXIT_PREEMPTED`` so the launcher can tell preemption from a crash."""
+    try:
+        return run_worker(config_values, run_dir, resume)
+    except Preempted:
+        sys.exit(EXIT_PREEMPTED)
+
+
+def _watch_signals(names: list[str]) -> PreemptionWatcher | NullWatcher:
+    if threading.current_thread() is not threading.main_thread():
+        return NullWatcher()
+    return PreemptionWatcher(names)
+
+
+def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
+           watcher: PreemptionWatcher | NullWatcher) -> dict[str, Any] | None:
     layout = validate(cfg, runtime.world_size)
     dims, batch = layout.dims, layout.batch
-    run_dir = _agree_on_run_dir(cfg, run_dir_text, runtime.is_main)
+    run_dir = Path(_agree(lambda: run_dir_text or str(resolve_run_dir(cfg.run, _cluster_job_id())), runtime.is_main))
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh, dp_mesh = dims.build_mesh(runtime.device.type)
     dp_rank = dp_mesh.get_local_rank()
@@ -85,14 +130,12 @@ def _train(cfg: Config, runtime, run_dir_text: str) -> dict[str, Any] | None:
 
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
     sharded = cfg.parallel.strategy == "fsdp"
-    model = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32)
+    model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm)
     peak_lr = scaled_peak_lr(cfg.optim, batch.global_batch)
     zero_group = mesh["dp_replicate"].get_group() if cfg.parallel.strategy == "zero1" and dims.dp > 1 else None
     optimizer = build_optimizer(unwrap(model), cfg.optim, peak_lr, zero_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     precision = build_precision(dtype, runtime.device, sharded)
-    # Different dropout masks per data-parallel rank, the same across model-parallel peers.
-    torch.manual_seed(cfg.train.seed + 1 + dp_rank)
 
     facts = {
         "world_size": runtime.world_size, "backend": runtime.backend, "device": str(runtime.device),
@@ -101,22 +144,47 @@ def _train(cfg: Config, runtime, run_dir_text: str) -> dict[str, Any] | None:
         "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "peak_lr": peak_lr,
         "data": data.description, "train_samples": data.train_samples,
     }
-    if runtime.is_main:
-        _write_run_record(run_dir, cfg, facts)
     display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
                if runtime.is_main else NullDisplay())
-    writer = JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()
     logger = rank_logger(run_dir, runtime.rank)
-    logger.info("started: %s", json.dumps(facts))
+    logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(facts))
+    report = _reporter(display, logger)
+    own_root = checkpoint_root(cfg.checkpoint, run_dir)
+    manifest_facts = {key: facts[key] for key in ("world_size", "strategy", "dp_replicate", "dp_shard",
+                                                  "global_batch", "micro_batch")}
+    manifest_facts.update(config_hash=config_hash(cfg), config=config_to_toml(cfg))
+    checkpoints = (CheckpointManager(cfg.checkpoint, CheckpointStore(own_root, cfg.checkpoint.storage_options),
+                                     runtime.rank, report, manifest_facts)
+                   if cfg.checkpoint.enabled else NullCheckpointManager())
+    writer = JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()
+    trainer = Trainer(model, optimizer, scheduler, precision, data, batch, cfg.train, runtime.device,
+                      dp_mesh.get_group(), dp_rank, cfg.data.seq_len, Sinks(display, writer, logger),
+                      checkpoints, watcher)
+    point = _agree(lambda: choose_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report),
+                   runtime.is_main)
+    restored_rng = False
+    if point is not None:
+        restored_rng = load_resume_point(point, cfg.checkpoint, trainer, runtime.rank)
+        facts["resumed_from"] = {"checkpoint": point.location, "step": trainer.progress.step}
+    if not restored_rng:
+        # Different dropout masks per data-parallel rank; after a resume on another
+        # layout, also different from the masks of the steps already taken.
+        torch.manual_seed(cfg.train.seed + 1 + dp_rank + 1_000_003 * trainer.progress.step)
+    if runtime.is_main:
+        _write_run_record(run_dir, cfg, facts)
+        _record_restart(run_dir, point, trainer.progress.step)
     display.note(
         f"meshyard: {n_params:,} parameters, {runtime.world_size} rank(s) on {runtime.device.type}/"
         f"{runtime.backend}, strategy {cfg.parallel.strategy}, global batch {batch.global_batch} = "
         f"{batch.micro_batch} x {batch.grad_accum} accum x {dims.dp} dp; data {data.description}"
+        + (f"; resumed from {point.location} at step {trainer.progress.step}" if point else "")
     )
-    trainer = Trainer(model, optimizer, scheduler, precision, data, batch, cfg.train, runtime.device,
-                      dp_mesh.get_group(), dp_rank, cfg.data.seq_len, Sinks(display, writer, logger))
     try:
         summary = trainer.fit()
+    except Preempted as stop:
+        if runtime.is_main:
+            _record_preemption(run_dir, stop, watcher, cfg.fault.grace_period_s)
+        raise
     finally:
         writer.close()
     logger.info("finished: %s", json.dumps(summary))
@@ -128,3 +196,32 @@ def _train(cfg: Config, runtime, run_dir_text: str) -> dict[str, Any] | None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     display.summary(summary)
     return summary
+
+
+def _reporter(display: Any, logger: Any):
+    def report(message: str) -> None:
+        logger.warning(message)
+        display.note(f"meshyard: {message}")
+    return report
+
+
+def _record_restart(run_dir: Path, point: ResumePoint | None, resumed_step: int) -> None:
+    """After a restart or resume, drop metrics of steps that will be redone and note the cost."""
+    if restart_count() == 0 and point is None:
+        return
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    last_step = records[-1]["step"] if records else 0
+    truncate_metrics(run_dir, resumed_step)
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": restart_count(),
+             "resumed_from": point.location if point else None, "resumed_step": resumed_step,
+             "last_recorded_step": last_step, "steps_lost": max(0, last_step - resumed_step)}
+    with (run_dir / "restarts.jsonl").open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def _record_preemption(run_dir: Path, stop: Preempted, watcher: Any, grace_s: float) -> None:
+    elapsed = time.monotonic() - watcher.received_at if watcher.received_at else None
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "signal": stop.signal_name, "step": stop.step,
+             "checkpoint": stop.checkpoint, "seconds_from_signal_to_commit": elapsed,
+             "grace_period_s": grace_s, "within_grace": elapsed is None or elapsed <= grace_s}
+    (run_dir / "preemption.json").write_text(json.dumps(entry, indent=2))

@@ -111,6 +111,18 @@ class ParallelConfig:
         True, "fsdp: free gathered parameters after forward (ZeRO-3); false keeps them (ZeRO-2)."
     )
     bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB.")
+    gradient_as_bucket_view: bool = option(
+        True, "ddp/zero1: gradients are views into the communication buckets (saves one gradient-sized copy)."
+    )
+    static_graph: bool = option(
+        False, "ddp/zero1: promise the same parameters get gradients every step, letting DDP skip per-step checks."
+    )
+    forward_prefetch: int = option(
+        0, "fsdp: explicitly prefetch the all-gathers of the next N blocks in forward; 0 keeps FSDP2's implicit overlap."
+    )
+    backward_prefetch: int = option(
+        0, "fsdp: explicitly prefetch the all-gathers of the previous N blocks in backward; 0 keeps FSDP2's default (1)."
+    )
 
 
 @dataclass
@@ -124,13 +136,47 @@ class PrecisionConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """When and where training state is saved."""
+class CommConfig:
+    """Gradient communication of data-parallel training (DDP and ZeRO-1): compression."""
 
-    enabled: bool = option(False, "Save checkpoints during the run.")
-    interval: int = option(100, "Save every this many steps (and at the end of the run).")
-    dir: str = option("", "Checkpoint directory; empty uses <run dir>/checkpoints.")
-    keep_last: int = option(2, "Committed checkpoints to keep; older ones are removed after a newer one lands.")
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = option(
+        "none",
+        "Gradient compression of ddp/zero1 syncs: 'none', 'fp16' or 'bf16' (cast), 'powersgd' (low rank) "
+        "or 'topk' (largest entries only); fsdp accepts only 'none'.",
+    )
+    warmup_steps: int = option(
+        10, "Steps synced uncompressed before compression starts (powersgd needs at least 2)."
+    )
+    powersgd_rank: int = option(4, "powersgd: rank of the low-rank approximation of each gradient matrix.")
+    topk_ratio: float = option(0.01, "topk: share of each bucket's entries sent per step, in (0, 1].")
+    error_feedback: bool = option(
+        True, "powersgd/topk: keep what compression dropped and add it back next step (keeps convergence)."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """When and where training state is saved, and how much of it is kept."""
+
+    enabled: bool = option(True, "Save checkpoints (needed for resume, preemption and elastic restarts).")
+    interval: int = option(100, "Save every this many steps; 0 disables step-based saving.")
+    interval_minutes: float = option(0.0, "Also save when this many minutes passed since the last save; 0 disables.")
+    save_final: bool = option(True, "Save at the end of the run.")
+    dir: str = option("", "Local path or fsspec URL (s3://, gs://, memory://); empty uses <run dir>/checkpoints.")
+    storage_options: dict = option({}, "fsspec options for remote storage, e.g. { endpoint_url = '...' } for S3.")
+    keep_last: int = option(2, "Newest committed checkpoints to keep; older ones go after a newer one commits.")
+    keep_best: bool = option(True, "Also keep the checkpoint with the lowest evaluation loss.")
+    async_save: bool = option(True, "Write in the background while training continues (at most one in flight).")
+    verify_checksums: bool = option(True, "Check every file's SHA-256 against the manifest before resuming.")
+
+
+@dataclass
+class FaultConfig:
+    """Preemption and crash handling."""
+
+    max_restarts: int = option(0, "Times the elastic agent restarts the workers after a failure (resuming each time).")
+    grace_period_s: float = option(60.0, "Seconds from a preemption signal to the forced stop; the save must fit in it.")
+    signals: list = option(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that mean 'save and stop' (on any rank).")
 
 
 @dataclass
@@ -152,7 +198,6 @@ class RunConfig:
     nproc: int = option(2, "Local worker processes started by 'meshyard run' (ignored under torchrun/Slurm).")
     device: Literal["auto", "cpu", "cuda"] = option("auto", "Device: 'auto' picks CUDA when present, else CPU.")
     threads_per_rank: int = option(1, "CPU threads per rank (torch.set_num_threads); 0 leaves torch's default.")
-    max_restarts: int = option(0, "Times the elastic agent restarts failed local workers.")
 
 
 SECTIONS: dict[str, type] = {
@@ -162,7 +207,9 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "parallel": ParallelConfig,
     "precision": PrecisionConfig,
+    "comm": CommConfig,
     "checkpoint": CheckpointConfig,
+    "fault": FaultConfig,
     "metrics": MetricsConfig,
     "run": RunConfig,
 }
@@ -178,6 +225,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)

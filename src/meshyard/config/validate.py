@@ -76,12 +76,45 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
     need(o.reference_batch >= 1, f"optim.reference_batch = {o.reference_batch} must be at least 1")
 
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb = {cfg.parallel.bucket_mb} must be positive")
-    need(cfg.checkpoint.interval >= 1, f"checkpoint.interval = {cfg.checkpoint.interval} must be at least 1")
+    _check_comm(cfg, problems)
+    need(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must not be negative")
+    need(cfg.checkpoint.interval_minutes >= 0,
+         f"checkpoint.interval_minutes = {cfg.checkpoint.interval_minutes} must not be negative")
+    need(cfg.fault.max_restarts >= 0, f"fault.max_restarts = {cfg.fault.max_restarts} must not be negative")
+    need(cfg.fault.grace_period_s > 0, f"fault.grace_period_s = {cfg.fault.grace_period_s} must be positive")
+    for name in cfg.fault.signals:
+        if name not in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"):
+            problems.append(f"fault.signals: '{name}' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last = {cfg.checkpoint.keep_last} must be at least 1")
     need(cfg.metrics.log_every >= 1, f"metrics.log_every = {cfg.metrics.log_every} must be at least 1")
     need(cfg.run.nproc >= 1, f"run.nproc = {cfg.run.nproc} must be at least 1")
     need(cfg.run.threads_per_rank >= 0, f"run.threads_per_rank = {cfg.run.threads_per_rank} must not be negative")
-    need(cfg.run.max_restarts >= 0, f"run.max_restarts = {cfg.run.max_restarts} must not be negative")
+
+
+def _check_comm(cfg: Config, problems: list[str]) -> None:
+    """Gradient-communication options: ranges, and compression only where DDP syncs gradients."""
+    c, p = cfg.comm, cfg.parallel
+    for key in ("forward_prefetch", "backward_prefetch"):
+        if getattr(p, key) < 0:
+            problems.append(f"parallel.{key} = {getattr(p, key)} must not be negative (0 keeps FSDP2's default)")
+    if c.warmup_steps < 0:
+        problems.append(f"comm.warmup_steps = {c.warmup_steps} must not be negative")
+    if c.powersgd_rank < 1:
+        problems.append(f"comm.powersgd_rank = {c.powersgd_rank} must be at least 1")
+    if not 0.0 < c.topk_ratio <= 1.0:
+        problems.append(f"comm.topk_ratio = {c.topk_ratio} must be in (0, 1]")
+    if c.compression == "powersgd" and 0 <= c.warmup_steps < 2:
+        problems.append(
+            f"comm.warmup_steps = {c.warmup_steps} is too short for comm.compression = 'powersgd': PyTorch's "
+            "PowerSGD needs at least 2 uncompressed steps (DDP regroups its buckets after the first); use 2 or more"
+        )
+    if c.compression != "none" and p.strategy == "fsdp":
+        problems.append(
+            f"comm.compression = '{c.compression}' does not apply to parallel.strategy = 'fsdp': compression "
+            "is a DDP communication hook on the gradient all-reduce, and FSDP reduce-scatters sharded "
+            "gradients instead; use parallel.strategy = 'ddp' or 'zero1' to compress, or keep fsdp with "
+            "comm.compression = 'none' (precision.reduce_fp32 = false halves FSDP's reduce traffic in bf16)"
+        )
 
 
 def load_and_validate(

@@ -44,6 +44,10 @@ class DataBundle:
     description: str
     train_samples: int
 
+    def seek(self, step: int) -> None:
+        """Make the next iterator over ``train_loader`` start at global step ``step``."""
+        self.train_loader.batch_sampler.start_step = step
+
     def eval_batches(self, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> Iterator:
         if self.val_dataset is None:
             return iter(())

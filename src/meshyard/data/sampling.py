@@ -46,6 +46,7 @@ class GlobalBatchSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.steps_per_epoch = num_samples // global_batch  # the last partial batch is dropped
+        self.start_step = 0  # where a new iterator begins (set by a resume)
         self.micro_per_step = global_batch // (micro_batch * dp_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -78,7 +79,7 @@ class SamplerIterator:
 
     def __init__(self, sampler: GlobalBatchSampler) -> None:
         self.sampler = sampler
-        self.step = 0
+        self.step = sampler.start_step
         self.micro = 0
         self._epoch = -1
         self._order: np.ndarray | None = None

@@ -2,7 +2,7 @@
 
 Using the agent (``torch.distributed.launcher.api``, the engine behind torchrun) rather
 than plain ``multiprocessing`` gives rendezvous, failure detection and worker restarts
-(``run.max_restarts``) for free.
+(``fault.max_restarts``) for free.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 class WorkerFailure(RuntimeError):
     """A worker exited with an error; the message names the rank and the cause."""
 
+    def __init__(self, message: str, exit_codes: list[int]) -> None:
+        super().__init__(message)
+        self.exit_codes = exit_codes
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -25,8 +29,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 0) -> dict[int, Any]:
-    """Run ``entrypoint(*args)`` in ``nproc`` local processes; returns each rank's return value."""
+def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 0,
+                 grace_period_s: float = 30.0) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` local processes; returns each rank's return value.
+
+    When this process is told to stop (SIGTERM, SIGINT), the agent passes the signal on to
+    the workers and gives them ``grace_period_s`` to save before killing them.
+    """
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -37,6 +46,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
         max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        shutdown_timeout=max(1, int(grace_period_s)),
     )
     try:
         return elastic_launch(config, entrypoint)(*args)
@@ -45,4 +55,5 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", str(message))
-        raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+        codes = [f.exitcode for f in exc.failures.values()]
+        raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}", codes) from None

@@ -50,3 +50,35 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The step records of a run, in order."""
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Sinks:
+    """Where step records go: the display, metrics.jsonl and the per-rank log."""
+
+    def __init__(self, display: Any, writer: JsonlWriter | NullWriter, logger: logging.Logger) -> None:
+        self.display = display
+        self.writer = writer
+        self.logger = logger
+        self.step_times: list[float] = []
+
+    def record_step(self, record: dict[str, Any], local_loss: float) -> None:
+        self.step_times.append(record["step_time_s"])
+        self.writer.write(record)
+        self.display.update(record)
+        self.logger.info(
+            "step %d local_loss %.6f step_time %.4fs data_time %.4fs",
+            record["step"], local_loss, record["step_time_s"], record["data_time_s"],
+        )
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> int:
+    """Drop records after ``last_step`` (work a restart will redo); returns how many went."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    return len(lines) - len(kept)

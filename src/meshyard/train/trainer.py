@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
+from meshyard.checkpoint.state import tensor_state
 from meshyard.config.sections import TrainConfig
+from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
+from meshyard.metrics.records import Sinks
 from meshyard.data.loader import DataBundle
 from meshyard.parallel.data_parallel import set_gradient_sync
 from meshyard.train.batching import BatchPlan
@@ -51,7 +55,15 @@ class TrainProgress:
 
     step: int = 0
     tokens_seen: int = 0
+    best_eval_loss: float | None = None
     losses: list[float] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_eval_loss": self.best_eval_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.best_eval_loss = state.get("best_eval_loss")
 
 
 class Trainer:
@@ -68,7 +80,10 @@ class Trainer:
         dp_group: dist.ProcessGroup,
         dp_rank: int,
         seq_len: int,
-        sinks: "Sinks",
+        sinks: Sinks,
+        checkpoints: CheckpointManager | NullCheckpointManager,
+        preemption: PreemptionWatcher | NullWatcher,
+        extra_state: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -82,9 +97,62 @@ class Trainer:
         self.dp_rank = dp_rank
         self.tokens_per_step = batch.global_batch * seq_len
         self.sinks = sinks
+        self.checkpoints = checkpoints
+        self.preemption = preemption
+        self.extra_state = extra_state or {}
         self.progress = TrainProgress()
         self.parameters = [p for p in model.parameters() if p.requires_grad]
-        self._train_iter = iter(data.train_loader)
+        self._saved_step = -1
+        self._last_eval_loss: float | None = None
+
+    # state ----------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        """Everything besides tensors that an exact resume needs (identical on all ranks)."""
+        return {
+            "progress": self.progress.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.precision.scaler.state_dict(),
+            "data": {"step": self.progress.step, "global_batch": self.batch.global_batch,
+                     "samples_consumed": self.progress.step * self.batch.global_batch},
+        }
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        saved_batch = state["data"]["global_batch"]
+        if saved_batch != self.batch.global_batch:
+            raise ValueError(
+                f"the checkpoint was trained with train.global_batch = {saved_batch}, this run uses "
+                f"{self.batch.global_batch}; keep the global batch when resuming (the world size and "
+                "micro-batch may change)"
+            )
+        self.progress.load_state_dict(state["progress"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.precision.scaler.load_state_dict(state["scaler"])
+        # The sample stream is indexed by global step, so this position is valid for any
+        # world size: no sample is skipped or repeated.
+        self.data.seek(state["data"]["step"])
+        self._saved_step = self.progress.step
+
+    def save_checkpoint(self, blocking: bool = False, eval_loss: float | None = None) -> None:
+        rank = dist.get_rank()
+        tensors = tensor_state(self.model, self.optimizer, rank, self.extra_state)
+        facts = {"eval_loss": eval_loss, "tokens_seen": self.progress.tokens_seen,
+                 "samples_consumed": self.progress.step * self.batch.global_batch}
+        self.checkpoints.save(self.progress.step, tensors, self.trainer_state(), facts, blocking=blocking)
+        self._saved_step = self.progress.step
+
+    # steps ----------------------------------------------------------------------
+    def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
+        """One all-reduce per step carries the loss and the control flags every rank must
+        agree on: a preemption signal seen by any rank, and rank 0's clock asking for a
+        time-based checkpoint. Returns (mean loss over ranks, preempt, save now)."""
+        flags = torch.tensor(
+            [loss.detach().item(), float(self.preemption.requested), float(self.checkpoints.time_due())],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(flags)
+        world = dist.get_world_size()
+        return flags[0].item() / world, flags[1].item() > 0, flags[2].item() > 0
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         """Average of a per-rank scalar over the data-parallel ranks (gloo has no AVG)."""
@@ -133,11 +201,14 @@ class Trainer:
         return self._mean_over_dp(total / max(count, 1))
 
     def fit(self) -> dict[str, Any]:
-        """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures."""
+        """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures.
+
+        Raises ``Preempted`` after saving when a preemption signal arrived on any rank.
+        """
         self.model.train()
+        self._train_iter = iter(self.data.train_loader)
         start = time.perf_counter()
         self.sinks.display.start(self.progress.step)
-        best_eval = math.inf
         try:
             while self.progress.step < self.cfg.steps:
                 step_start = time.perf_counter()
@@ -145,7 +216,7 @@ class Trainer:
                 data_time = time.perf_counter() - step_start
                 lr = self.scheduler.get_last_lr()[0]
                 loss, grad_norm = self.train_step(micro_batches)
-                loss_value = self._mean_over_dp(loss)  # also waits for the step to finish
+                loss_value, preempt, time_save = self._agree(loss)  # also waits for the step to finish
                 step_time = time.perf_counter() - step_start
                 self.progress.step += 1
                 self.progress.tokens_seen += self.tokens_per_step
@@ -157,13 +228,32 @@ class Trainer:
                     "samples_per_s": self.batch.global_batch / step_time,
                     "tokens_seen": self.progress.tokens_seen,
                 }
+                self._last_eval_loss = None
                 if self._should_evaluate():
-                    record["eval_loss"] = self.evaluate()
-                    best_eval = min(best_eval, record["eval_loss"])
+                    record["eval_loss"] = self._last_eval_loss = self.evaluate()
+                    best = self.progress.best_eval_loss
+                    self.progress.best_eval_loss = record["eval_loss"] if best is None else min(best, record["eval_loss"])
                 self.sinks.record_step(record, local_loss=loss.item())
+                self.checkpoints.poll()
+                if preempt:
+                    self._stop_for_preemption()
+                if time_save or self.checkpoints.due(self.progress.step):
+                    self.save_checkpoint(eval_loss=record.get("eval_loss"))
+            if self.checkpoints.save_final and self._saved_step != self.progress.step:
+                self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
+            self.checkpoints.wait()
         finally:
             self.sinks.display.stop()
-        return self._summary(time.perf_counter() - start, best_eval)
+        return self._summary(time.perf_counter() - start)
+
+    def _stop_for_preemption(self) -> None:
+        self.sinks.display.note(f"meshyard: preemption signal received; saving at step {self.progress.step}")
+        committed = self.checkpoints.last_committed()
+        if self.checkpoints.enabled:
+            self.save_checkpoint(blocking=True)
+            committed = self.checkpoints.last_committed()
+        signal_name = self.preemption.received or "a signal on another rank"
+        raise Preempted(self.progress.step, signal_name, committed)
 
     def _should_evaluate(self) -> bool:
         if not self.cfg.eval_every or self.data.val_dataset is None:
@@ -171,36 +261,17 @@ class Trainer:
         step = self.progress.step
         return step % self.cfg.eval_every == 0 or step == self.cfg.steps
 
-    def _summary(self, wall_time: float, best_eval: float) -> dict[str, Any]:
+    def _summary(self, wall_time: float) -> dict[str, Any]:
         losses = self.progress.losses
         steady = self.sinks.step_times[1:] or self.sinks.step_times
         mean_step = sum(steady) / len(steady) if steady else float("nan")
         return {
             "steps": self.progress.step,
-            "first_loss": losses[0] if losses else float("nan"),
-            "final_loss": losses[-1] if losses else float("nan"),
-            "best_eval_loss": best_eval if best_eval < math.inf else None,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "best_eval_loss": self.progress.best_eval_loss,
             "mean_step_time_s": mean_step,
             "tokens_per_s": self.tokens_per_step / mean_step if steady else None,
             "tokens_seen": self.progress.tokens_seen,
             "wall_time_s": wall_time,
         }
-
-
-class Sinks:
-    """Where step records go: the display, metrics.jsonl and the per-rank log."""
-
-    def __init__(self, display: Any, writer: Any, logger: Any) -> None:
-        self.display = display
-        self.writer = writer
-        self.logger = logger
-        self.step_times: list[float] = []
-
-    def record_step(self, record: dict[str, Any], local_loss: float) -> None:
-        self.step_times.append(record["step_time_s"])
-        self.writer.write(record)
-        self.display.update(record)
-        self.logger.info(
-            "step %d local_loss %.6f step_time %.4fs data_time %.4fs",
-            record["step"], local_loss, record["step_time_s"], record["data_time_s"],
-        )

@@ -1,0 +1,104 @@
+"""What a checkpoint holds and how it is put back.
+
+Tensors go through DCP, which shards and reshards them: the model and optimizer under
+their unwrapped parameter names (``torch.distributed.checkpoint.state_dict``), so a
+checkpoint written under DDP loads under FSDP or another world size, and each rank's
+RNG states under a per-rank key. Small identical-on-every-rank values (scheduler,
+scaler, counters, data position) travel as JSON written by rank 0.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _dcp_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeRO-1 keeps the state of its own shard in an inner optimizer; that inner one is
+    saved, each rank contributing its parameters' entries under their names, so the
+    checkpoint holds the full optimizer state however it was partitioned."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def rng_key(rank: int) -> str:
+    return f"rng.rank{rank}"
+
+
+# Pickled generator states vary in length (Python's ints pickle to 4 or more bytes), but
+# DCP loads into a tensor of the saved shape, so the blob has a fixed size: an 8-byte
+# length followed by the pickle and zero padding.
+RNG_BLOB_BYTES = 64 * 1024
+
+
+def capture_rng() -> torch.Tensor:
+    """Python, NumPy, torch and CUDA generator states of this process as a byte tensor."""
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    payload = pickle.dumps(states)
+    if len(payload) + 8 > RNG_BLOB_BYTES:
+        raise ValueError(f"RNG state of {len(payload)} bytes exceeds the {RNG_BLOB_BYTES}-byte slot")
+    blob = torch.zeros(RNG_BLOB_BYTES, dtype=torch.uint8)
+    blob[:8] = torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8)
+    blob[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return blob
+
+
+def restore_rng(blob: torch.Tensor) -> None:
+    raw = blob.numpy().tobytes()
+    states = pickle.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                 extra: dict[str, Stateful] | None = None) -> dict[str, Any]:
+    """The DCP state of this rank: model, optimizer, RNG, and any extra stateful objects
+    (for example gradient-compression state), each under its own key."""
+    model_state, optim_state = get_state_dict(model, _dcp_optimizer(optimizer))
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, rng_key(rank): capture_rng()}
+    for name, obj in (extra or {}).items():
+        state[f"{name}.rank{rank}"] = obj.state_dict()
+    return state
+
+
+def load_tensor_state(
+    load: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+    saved_keys: set[str], extra: dict[str, Stateful] | None = None,
+) -> bool:
+    """Fill ``model`` and ``optimizer`` from a checkpoint through ``load`` (a DCP load
+    bound to the checkpoint). Returns True when this rank's RNG state was restored, which
+    happens only when the checkpoint was written with a rank of the same number."""
+    state = tensor_state(model, optimizer, rank, extra)
+    own_keys = [k for k in state if k.startswith(("rng.", *(f"{n}." for n in (extra or {}))))]
+    for key in own_keys:
+        if not any(saved == key or saved.startswith(key + ".") for saved in saved_keys):
+            del state[key]
+    load(state)
+    set_state_dict(model, _dcp_optimizer(optimizer), model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    for name, obj in (extra or {}).items():
+        if f"{name}.rank{rank}" in state:
+            obj.load_state_dict(state[f"{name}.rank{rank}"])
+    if rng_key(rank) in state:
+        restore_rng(state[rng_key(rank)])
+        return True
+    return False
