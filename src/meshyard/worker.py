@@ -183,7 +183,7 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
         summary = trainer.fit()
     except Preempted as stop:
         if runtime.is_main:
-            _record_preemption(run_dir, stop, watcher, cfg.fault.grace_period_s)
+            _record_preemption(run_dir, stop, cfg.fault.grace_period_s)
         raise
     finally:
         writer.close()
@@ -219,8 +219,8 @@ def _record_restart(run_dir: Path, point: ResumePoint | None, resumed_step: int)
         handle.write(json.dumps(entry) + "\n")
 
 
-def _record_preemption(run_dir: Path, stop: Preempted, watcher: Any, grace_s: float) -> None:
-    elapsed = time.monotonic() - watcher.received_at if watcher.received_at else None
+def _record_preemption(run_dir: Path, stop: Preempted, grace_s: float) -> None:
+    elapsed = time.time() - stop.signal_time if stop.signal_time else None
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "signal": stop.signal_name, "step": stop.step,
              "checkpoint": stop.checkpoint, "seconds_from_signal_to_commit": elapsed,
              "grace_period_s": grace_s, "within_grace": elapsed is None or elapsed <= grace_s}

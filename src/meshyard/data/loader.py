@@ -91,5 +91,9 @@ def build_data(
         train, val, vocab, description = split_corpus(cfg)
     sampler = GlobalBatchSampler(len(train), global_batch, micro_batch, dp_rank, dp_size, seed)
     extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True} if cfg.num_workers else {}
-    loader = StatefulDataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, **extra)
+    # A private generator: creating a loader iterator draws a seed from it, and drawing
+    # from the global RNG instead would shift dropout masks after a resume.
+    generator = torch.Generator().manual_seed(seed + dp_rank)
+    loader = StatefulDataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
+                                **extra)
     return DataBundle(loader, val, vocab, description, len(train))

@@ -18,8 +18,9 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a preempted
 class Preempted(Exception):
     """Raised out of the training loop after the preemption checkpoint is committed."""
 
-    def __init__(self, step: int, signal_name: str, checkpoint: str | None) -> None:
+    def __init__(self, step: int, signal_name: str, checkpoint: str | None, signal_time: float | None = None) -> None:
         self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
+        self.signal_time = signal_time  # wall-clock time of the first signal on any rank
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (saving failed or is disabled)"
         super().__init__(f"preempted by {signal_name} at step {step}; {where}")
 
@@ -38,7 +39,7 @@ class PreemptionWatcher:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            self.received_at = time.monotonic()
+            self.received_at = time.time()  # wall clock: compared across ranks
 
     @property
     def requested(self) -> bool:

@@ -9,17 +9,23 @@ from typing import Any, TextIO
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so a crash loses at most a line."""
+    """Appends one JSON object per line and flushes it, so a crash loses at most a line.
+
+    The file is opened at the first write, after a resume has trimmed it."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = path.open("a", buffering=1)
+        self.path = path
+        self._file: TextIO | None = None
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", buffering=1)
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class NullWriter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,14 +55,25 @@ def init_distributed(
             # A single process needs no rendezvous: an in-memory store suffices.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            # Under torchrun, env:// reuses the elastic agent's store; Slurm and Kubeflow
-            # give only an address, so rendezvous there over TCP.
-            init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
             dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout,
+                backend, store=_job_store(env, timeout), rank=rank, world_size=world, timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this restart round.
+
+    Under torchrun, env:// reaches the elastic agent's store, which outlives a failed
+    round of workers; without a per-round prefix, restarted workers can read the dead
+    round's keys (gloo's peer addresses among them) and hang connecting to them.
+    Slurm and Kubeflow give only an address, so the rendezvous is over TCP there.
+    """
+    url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    store, _, _ = next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"meshyard/round{restart_round}", store)
 
 
 def shutdown_distributed() -> None:

@@ -252,8 +252,12 @@ class Trainer:
         if self.checkpoints.enabled:
             self.save_checkpoint(blocking=True)
             committed = self.checkpoints.last_committed()
-        signal_name = self.preemption.received or "a signal on another rank"
-        raise Preempted(self.progress.step, signal_name, committed)
+        received: list[tuple[str | None, float | None]] = [(None, None)] * dist.get_world_size()
+        # Rare path: learn which rank got which signal, and when the first one came.
+        dist.all_gather_object(received, (self.preemption.received, self.preemption.received_at))
+        signal_name = ", ".join(f"{name} on rank {rank}" for rank, (name, _) in enumerate(received) if name)
+        first = min((at for _, at in received if at is not None), default=None)
+        raise Preempted(self.progress.step, signal_name, committed, first)
 
     def _should_evaluate(self) -> bool:
         if not self.cfg.eval_every or self.data.val_dataset is None:

@@ -1,0 +1,92 @@
+"""Offline checkpoint tools: list, inspect, verify, export (no process group needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from meshyard.checkpoint.manager import LATEST, step_of
+from meshyard.checkpoint.manifest import MANIFEST, verify
+from meshyard.checkpoint.storage import CheckpointStore
+
+
+class CheckpointToolError(ValueError):
+    """The path given to a ``meshyard ckpt`` command holds no checkpoint."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    store: CheckpointStore  # rooted at the folder holding step-* checkpoints
+    name: str
+
+
+def checkpoint_folder(location: str, options: dict[str, Any]) -> CheckpointStore:
+    """The folder of ``step-*`` checkpoints for a run directory or such a folder."""
+    for candidate in (location.rstrip("/") + "/checkpoints", location):
+        store = CheckpointStore(candidate, options)
+        if any(step_of(n) is not None for n in store.list_dir(store.root)):
+            return store
+    raise CheckpointToolError(f"{location} holds no checkpoints (looked in it and in its 'checkpoints' folder)")
+
+
+def resolve(location: str, options: dict[str, Any]) -> CheckpointRef:
+    """A single checkpoint: the path of one, or the newest of a run / checkpoint folder."""
+    single = CheckpointStore(location, options)
+    if single.exists(single.path(MANIFEST)) or step_of(location.rstrip("/").rsplit("/", 1)[-1]) is not None:
+        parent, name = location.rstrip("/").rsplit("/", 1) if "/" in location.rstrip("/") else (".", location)
+        return CheckpointRef(CheckpointStore(parent, options), name)
+    store = checkpoint_folder(location, options)
+    names = sorted(n for n in store.list_dir(store.root) if step_of(n) is not None)
+    return CheckpointRef(store, names[-1])
+
+
+def list_checkpoints(location: str, options: dict[str, Any], checksums: bool = False) -> list[dict[str, Any]]:
+    """One row per checkpoint, oldest first, with its validity."""
+    store = checkpoint_folder(location, options)
+    latest = store.read_text(store.path(LATEST)).strip() if store.exists(store.path(LATEST)) else None
+    rows = []
+    for name in sorted(n for n in store.list_dir(store.root) if step_of(n) is not None):
+        manifest, problem = verify(store, store.path(name), checksums)
+        size = sum(f["size"] for f in manifest["files"].values()) if manifest else None
+        rows.append({"name": name, "step": step_of(name), "valid": problem is None, "problem": problem,
+                     "bytes": size, "world_size": (manifest or {}).get("world_size"),
+                     "strategy": (manifest or {}).get("strategy"), "eval_loss": (manifest or {}).get("eval_loss"),
+                     "latest": name == latest, "location": store.url_of(name)})
+    return rows
+
+
+def read_full_state(ref: CheckpointRef) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint as full (unsharded) tensors in this process."""
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=ref.store.dcp_reader(ref.store.path(ref.name)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def model_state(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers under their plain module names."""
+    return dict(read_full_state(ref)["model"])
+
+
+def export(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print) -> Path:
+    """Write the model as one file: ``.safetensors`` or a ``torch.save`` state dict (other suffixes)."""
+    manifest, problem = verify(ref.store, ref.store.path(ref.name))
+    if problem:
+        raise CheckpointToolError(f"{ref.store.url_of(ref.name)} is not valid: {problem}")
+    tensors = {k: v.contiguous() for k, v in model_state(ref).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        # Tied weights come back as separate tensors with equal values, which
+        # safetensors accepts; metadata keeps the step for provenance.
+        save_file(tensors, str(out), metadata={"step": str(manifest["step"]), "format": "pt"})
+    else:
+        torch.save(tensors, out)
+    report(f"exported {len(tensors)} tensors of step {manifest['step']} to {out}")
+    return out
