@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, group_override_tokens, load_config
 from meshyard.config.validate import load_and_validate
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.launch.local import WorkerFailure
+from meshyard.plan import cli as plan_cli
 from meshyard.runtime.environment import detect_environment
 
 EXIT_BAD_INPUT = 2
@@ -57,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(subparsers)
     _add_config(subparsers)
+    checkpoint_cli.add_parser(subparsers)
+    plan_cli.add_parser(subparsers)
     return parser
 
 
@@ -79,7 +83,22 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "config": _cmd_config}
+def _without_overrides(command):
+    """Commands that take no config overrides refuse them instead of ignoring them."""
+    def call(args: argparse.Namespace, overrides: list[str]) -> int:
+        if overrides:
+            raise ConfigError([f"'meshyard {args.command}' takes no --section.field overrides (got "
+                               f"{' '.join(overrides)})"], "arguments")
+        return command(args)
+    return call
+
+
+COMMANDS = {
+    "run": _cmd_run,
+    "config": _cmd_config,
+    "ckpt": _without_overrides(checkpoint_cli.main),
+    "plan": _without_overrides(plan_cli.main),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,7 @@ def checkpoint_folder(location: str, options: dict[str, Any]) -> CheckpointStore
 
 def resolve(location: str, options: dict[str, Any]) -> CheckpointRef:
     """A single checkpoint: the path of one, or the newest of a run / checkpoint folder."""
-    single = CheckpointStore(location, options)
-    if single.exists(single.path(MANIFEST)) or step_of(location.rstrip("/").rsplit("/", 1)[-1]) is not None:
+    if _is_single(location, options):
         parent, name = location.rstrip("/").rsplit("/", 1) if "/" in location.rstrip("/") else (".", location)
         return CheckpointRef(CheckpointStore(parent, options), name)
     store = checkpoint_folder(location, options)
@@ -45,12 +44,22 @@ def resolve(location: str, options: dict[str, Any]) -> CheckpointRef:
     return CheckpointRef(store, names[-1])
 
 
+def _is_single(location: str, options: dict[str, Any]) -> bool:
+    single = CheckpointStore(location, options)
+    return single.exists(single.path(MANIFEST)) or step_of(location.rstrip("/").rsplit("/", 1)[-1]) is not None
+
+
 def list_checkpoints(location: str, options: dict[str, Any], checksums: bool = False) -> list[dict[str, Any]]:
-    """One row per checkpoint, oldest first, with its validity."""
-    store = checkpoint_folder(location, options)
+    """One row per checkpoint (all of a run or folder, or just the one named), oldest first."""
+    if _is_single(location, options):
+        ref = resolve(location, options)
+        store, names = ref.store, [ref.name]
+    else:
+        store = checkpoint_folder(location, options)
+        names = sorted(n for n in store.list_dir(store.root) if step_of(n) is not None)
     latest = store.read_text(store.path(LATEST)).strip() if store.exists(store.path(LATEST)) else None
     rows = []
-    for name in sorted(n for n in store.list_dir(store.root) if step_of(n) is not None):
+    for name in names:
         manifest, problem = verify(store, store.path(name), checksums)
         size = sum(f["size"] for f in manifest["files"].values()) if manifest else None
         rows.append({"name": name, "step": step_of(name), "valid": problem is None, "problem": problem,

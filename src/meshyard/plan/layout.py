@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 AcMode = Literal["none", "selective", "full"]
+AC_MODES = ("none", "selective", "full")
+"""Activation checkpointing: none, every other block recomputed (torchtitan's selective
+per-layer option with frequency 2), or every block recomputed."""
 PipelineSchedule = Literal["1f1b", "gpipe", "interleaved"]
 STRATEGIES = ("none", "ddp", "zero1", "fsdp2", "fsdp3", "hsdp")
 """Data-parallel strategies: DDP (ZeRO-0), DDP with a sharded optimizer (ZeRO-1),

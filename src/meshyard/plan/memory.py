@@ -51,6 +51,8 @@ class MemoryEstimate:
     host_bytes: float = 0.0
     """Bytes kept in host memory by CPU offload."""
     stage: int = 0
+    states: tuple[MemoryItem, ...] = ()
+    """Parameters, gradients and optimizer states, whether or not all exist at the peak."""
 
     def item(self, name: str) -> float:
         """Bytes of the named line (0 when absent)."""
@@ -58,7 +60,9 @@ class MemoryEstimate:
 
     @property
     def model_state_bytes(self) -> float:
-        return sum(self.item(n) for n in ("parameters", "gradients", "optimizer states"))
+        """Bytes of parameters, gradients and optimizer states on the device (ZeRO's
+        "model states"), as they stand once the optimizer steps."""
+        return sum(i.bytes for i in self.states)
 
 
 def model_state_items(shape: StageShape, layout: Layout) -> list[MemoryItem]:
@@ -118,12 +122,22 @@ def activation_items(desc: ModelDescription, shape: StageShape, layout: Layout) 
         recomputed = layers if layout.ac == "full" else layers // 2
         per_mb = recomputed * ckpt + (layers - recomputed) * full
         text = f"{recomputed} checkpointed x {fmt_bytes(ckpt)} + {layers - recomputed} x {fmt_bytes(full)}"
-    items = [MemoryItem("activations", flight * per_mb,
-                        f"{_fmt_flight(flight)} micro-batch x ({text}); per layer "
-                        f"{full / t:.0f} B/token at t={t}")]
-    if layout.ac != "none" and layers:
-        items.append(MemoryItem("recompute", full, "one block's activations rebuilt during its backward"))
-    return items
+    return [MemoryItem("activations", flight * per_mb,
+                       f"{_fmt_flight(flight)} micro-batch x ({text}); per layer "
+                       f"{full / t:.0f} B/token at t={t}")]
+
+
+def block_backward_item(desc: ModelDescription, layout: Layout) -> MemoryItem:
+    """The first block's backward, the last to run: its activations (rebuilt when
+    checkpointed) plus the gradients flowing through it, the MLP hidden's (r units,
+    split by TP) and the residual stream's (1 unit)."""
+    full = activation_bytes_per_layer(desc, layout)
+    ratio = desc.mlp_hidden / desc.d_model if desc.mlp_hidden else 0.0
+    units = 1.0 + ratio / layout.tp
+    grads = units * layout.tokens_per_micro_batch * desc.d_model * layout.precision.activation
+    what = "rebuilt activations" if layout.ac != "none" else "activations"
+    return MemoryItem("block backward", full + grads,
+                      f"one block's {what} {fmt_bytes(full)} + {units:g} x t x d x a of gradients")
 
 
 def _fmt_flight(flight: float) -> str:
@@ -220,57 +234,56 @@ def estimate_memory(
     return max(estimates, key=lambda e: e.peak_bytes)
 
 
+def _gradients_during_forward(shape: StageShape, layout: Layout,
+                              gradients: MemoryItem) -> tuple[list[MemoryItem], list[MemoryItem]]:
+    """(stored gradients, accumulation buffers) that exist while forward runs.
+
+    DDP's buckets are the gradients and persist across steps; with accumulation the
+    earlier micro-batches' gradients exist too, FSDP2 keeping them unsharded until the
+    last micro-batch's reduce-scatter.
+    """
+    if layout.grad_accum > 1 and layout.zero_stage >= 2:
+        grad = layout.precision.grad
+        return [], [MemoryItem("accumulated gradients", grad * shape.params,
+                               f"unsharded g*Psi = {grad} B x {fmt_count(shape.params)} between reduce-scatters")]
+    if layout.grad_accum > 1 or layout.strategy in ("ddp", "zero1"):
+        return [gradients], []
+    return [], []
+
+
+def _total(items: list[MemoryItem]) -> float:
+    return sum(i.bytes for i in items)
+
+
 def _estimate_stage(desc: ModelDescription, layout: Layout, shape: StageShape, foreach: bool) -> MemoryEstimate:
     states = model_state_items(shape, layout)
-    params, grads, optim = (i.bytes for i in states)
-    acts = activation_items(desc, shape, layout)
-    ios = io_items(desc, shape, layout)
+    params, grads, optim = states
+    grads_fwd, accum = _gradients_during_forward(shape, layout, grads)
     gathered = gathered_items(desc, shape, layout)
     buffers = buffer_items(desc, shape, layout)
-    stage = layout.zero_stage
-    # Gradients that exist while forward runs: DDP's buckets are the gradients and
-    # persist; with accumulation the previous micro-batches' gradients do too (FSDP2
-    # accumulates them unsharded until the last micro-batch's reduce-scatter).
-    grads_fwd = grads if stage in (0, 1) and layout.strategy != "none" else 0.0
-    accum_items: list[MemoryItem] = []
-    if layout.grad_accum > 1:
-        if stage >= 2:
-            full = layout.precision.grad * shape.params
-            accum_items.append(MemoryItem("accumulated gradients", full,
-                                          f"unsharded g*Psi = {layout.precision.grad} B x "
-                                          f"{fmt_count(shape.params)} between reduce-scatters"))
-        else:
-            grads_fwd = grads
-    accum = sum(i.bytes for i in accum_items)
-    total = lambda items: sum(i.bytes for i in items)  # noqa: E731 - local shorthand
-    start_bwd = params + optim + grads_fwd + accum + total(acts) + total(ios) + total(gathered) + total(buffers)
-    gathered_bwd = total(gathered) if stage != 2 else 0.0
-    end_bwd = params + optim + grads + accum + gathered_bwd + total(buffers)
-    temp = optimizer_temp_bytes(desc, shape, layout, foreach)
-    opt_step = params + optim + grads + temp
-    moments = {"start of backward": start_bwd, "end of backward": end_bwd, "optimizer step": opt_step}
+    # The first block's backward runs last, when nearly every gradient exists; under
+    # ZeRO-2 the gathered blocks have been freed one by one by then.
+    block = [block_backward_item(desc, layout)] if shape.layers else []
+    gathered_end = gathered if layout.zero_stage != 2 else []
+    temp = MemoryItem("optimizer temporaries", optimizer_temp_bytes(desc, shape, layout, foreach),
+                      "4 B x Psi/N (foreach)" if foreach else "2 x 4 B x largest parameter")
+    lines = {
+        "start of backward": [params, *grads_fwd, optim, *accum, *activation_items(desc, shape, layout),
+                              *io_items(desc, shape, layout), *gathered, *buffers],
+        "end of backward": [*states, *accum, *gathered_end, *buffers, *block],
+        "optimizer step": [*states, temp],
+    }
+    moments = {name: _total(items) for name, items in lines.items()}
     moment = max(moments, key=moments.__getitem__)
-    items = [i for i in states if moment != "start of backward" or i.name != "gradients" or grads_fwd]
-    if moment == "start of backward":
-        items += accum_items + acts + ios + gathered + buffers
-    elif moment == "end of backward":
-        items += accum_items + (gathered if gathered_bwd else []) + buffers
-    else:
-        items.append(MemoryItem("optimizer temporaries", temp,
-                                "4 B x Psi/N (foreach)" if foreach else "2 x 4 B x largest parameter"))
     host = 0.0
     if layout.offload:
         prec = layout.precision
-        host = (prec.param + prec.grad + prec.optimizer_bytes(layout.n_optimizer_states)) * shape.params \
-            / layout.shard_degree
-    return MemoryEstimate(items=tuple(items), peak_bytes=moments[moment], peak_moment=moment,
-                          moments=moments, host_bytes=host, stage=shape.index)
-
-
-def fits(estimate: MemoryEstimate, device_bytes: float, headroom: float) -> bool:
-    """Whether the peak fits in ``device_bytes`` with a ``headroom`` fraction kept free."""
-    return estimate.peak_bytes <= device_bytes * (1.0 - headroom)
+        per_param = prec.param + prec.grad + prec.optimizer_bytes(layout.n_optimizer_states)
+        host = per_param * shape.params / layout.shard_degree
+    return MemoryEstimate(items=tuple(lines[moment]), peak_bytes=moments[moment], peak_moment=moment,
+                          moments=moments, host_bytes=host, stage=shape.index, states=tuple(states))
 
 
 def usable_bytes(device_bytes: float, headroom: float) -> float:
+    """Bytes a layout may use on a device of ``device_bytes`` keeping ``headroom`` free."""
     return math.floor(device_bytes * (1.0 - headroom))

@@ -84,8 +84,12 @@ class ModelDescription:
     mlp_hidden: int = 0
     tp_capable: bool = True
     """Whether the block layout is known well enough to split it with tensor parallelism."""
-    exact_activations: bool = False
-    """True when activations come from tracing the module rather than the GPT closed form."""
+    traced_seq_len: int = 0
+    """Non-zero for traced models: the sequence length their FLOPs were counted at."""
+    traced_layer_flops: float = 0.0
+    """Traced models: forward FLOPs of one block per token at ``traced_seq_len``."""
+    traced_head_flops: float = 0.0
+    """Traced models: forward FLOPs per token outside the blocks at ``traced_seq_len``."""
 
     @property
     def block_params(self) -> int:
@@ -93,20 +97,22 @@ class ModelDescription:
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of one forward pass per token (PaLM convention, see module docstring)."""
-        matmul = self.n_layer * self.matmul_params_per_layer + self.head_matmul_params
-        attention = 4.0 * self.n_layer * seq_len * self.d_model
-        return 2.0 * matmul + attention
+        return self.n_layer * self.layer_forward_flops_per_token(seq_len) + self.head_forward_flops_per_token()
 
     def training_flops_per_token(self, seq_len: int) -> float:
         """Forward plus backward (twice the forward): the 6N + 12 L d T of PaLM."""
         return 3.0 * self.forward_flops_per_token(seq_len)
 
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs of one block per token."""
+        """Forward FLOPs of one block per token: its matmuls plus attention's two products."""
+        if self.traced_seq_len:
+            return self.traced_layer_flops
         return 2.0 * self.matmul_params_per_layer + 4.0 * seq_len * self.d_model
 
     def head_forward_flops_per_token(self) -> float:
-        """Forward FLOPs of the output projection per token."""
+        """Forward FLOPs per token outside the blocks: the output projection."""
+        if self.traced_seq_len:
+            return self.traced_head_flops
         return 2.0 * self.head_matmul_params
 
 

@@ -1,0 +1,86 @@
+"""``meshyard ckpt list|inspect|verify|export``: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from meshyard.checkpoint.manifest import verify
+from meshyard.checkpoint.tools import CheckpointToolError, export, list_checkpoints, model_state, resolve
+
+EXIT_BAD_INPUT = 2
+EXIT_INVALID = 1
+
+
+def _storage_options(pairs: list[str]) -> dict[str, object]:
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CheckpointToolError(f"--storage-option '{pair}' is not KEY=VALUE (e.g. endpoint_url=http://...)")
+        if key == "endpoint_url":  # s3fs takes the endpoint inside client_kwargs
+            options.setdefault("client_kwargs", {})["endpoint_url"] = value  # type: ignore[index]
+        else:
+            options[key] = value
+    return options
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("ckpt", help="list, inspect, verify and export checkpoints",
+                              description="Work with checkpoints of a run, offline. PATH is a run directory, a "
+                              "folder of step-* checkpoints, or one checkpoint; local or an fsspec URL (s3://...).")
+    sub = p.add_subparsers(dest="ckpt_command", required=True, metavar="{list,inspect,verify,export}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("path", metavar="PATH")
+    common.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec option for remote storage (repeatable), e.g. endpoint_url=http://127.0.0.1:9000")
+    sub.add_parser("list", parents=[common], help="every checkpoint with its step, size and validity")
+    sub.add_parser("inspect", parents=[common], help="manifest and tensor shapes of one checkpoint (newest by default)")
+    sub.add_parser("verify", parents=[common], help="check sizes and SHA-256 of every file; exit 1 if any is invalid")
+    exp = sub.add_parser("export", parents=[common], help="write the model as one .safetensors or .pt file")
+    exp.add_argument("--out", required=True, type=Path, help="output file: *.safetensors, or *.pt for torch.save")
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        options = _storage_options(args.storage_option)
+        if args.ckpt_command == "list":
+            return _list(console, args.path, options, checksums=False)
+        if args.ckpt_command == "verify":
+            return _list(console, args.path, options, checksums=True)
+        ref = resolve(args.path, options)
+        if args.ckpt_command == "inspect":
+            manifest, problem = verify(ref.store, ref.store.path(ref.name), checksums=False)
+            shown = {k: v for k, v in (manifest or {}).items() if k not in ("files", "config")}
+            console.print_json(json.dumps({"checkpoint": ref.store.url_of(ref.name), "problem": problem, **shown}))
+            table = Table("tensor", "shape", "dtype", title="model")
+            for key, tensor in model_state(ref).items():
+                table.add_row(key, str(tuple(tensor.shape)), str(tensor.dtype).removeprefix("torch."))
+            console.print(table)
+            return 0
+        export(ref, args.out, report=lambda m: console.print(m, highlight=False))
+        return 0
+    except (CheckpointToolError, FileNotFoundError, OSError) as exc:
+        print(f"meshyard ckpt: {exc}. Give a run directory, a checkpoint folder or one checkpoint.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _list(console: Console, path: str, options: dict[str, object], checksums: bool) -> int:
+    rows = list_checkpoints(path, options, checksums=checksums)
+    table = Table(title="checksums verified" if checksums else "sizes checked (verify checks SHA-256)")
+    table.add_column("checkpoint", no_wrap=True, min_width=13)
+    for column in ("step", "valid", "size", "world", "strategy", "eval loss", "latest"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], str(row["step"]), "yes" if row["valid"] else f"NO: {row['problem']}",
+                      f"{row['bytes'] / 1e6:.2f} MB" if row["bytes"] else "-", str(row["world_size"]),
+                      str(row["strategy"]), "-" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}",
+                      "*" if row["latest"] else "")
+    console.print(table)
+    return EXIT_INVALID if any(not row["valid"] for row in rows) else 0

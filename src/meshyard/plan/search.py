@@ -1,0 +1,214 @@
+"""The strategy planner: enumerate layouts, keep those that fit, rank them by speed.
+
+Layouts vary the data-parallel strategy, tensor and pipeline degrees, activation
+checkpointing, CPU offload and the micro-batch; the global batch, sequence length,
+precision and optimizer are fixed by the user. Of each (strategy, tp, pp) family only
+the fastest variant that fits is kept, so the ranking shows different layouts rather
+than batch sizes. A family none of whose variants fits is reported once, with its
+smallest-memory attempt and what fills it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from meshyard.plan.cost import DEFAULT_OVERLAP, StepEstimate, estimate_step
+from meshyard.plan.hardware import Cluster
+from meshyard.plan.layout import AC_MODES, STRATEGIES, Layout, Precision, make_layout
+from meshyard.plan.memory import MemoryEstimate, estimate_memory, usable_bytes
+from meshyard.plan.model import ModelDescription
+from meshyard.plan.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user fixed, and which choices the planner may explore."""
+
+    global_batch: int
+    seq_len: int
+    precision: Precision
+    optimizer: str = "adamw"
+    strategies: tuple[str, ...] = STRATEGIES
+    tp: tuple[int, ...] = ()
+    """Tensor-parallel degrees to try; empty: powers of two up to a node."""
+    pp: tuple[int, ...] = ()
+    """Pipeline degrees to try; empty: powers of two up to the layer count."""
+    micro_batches: tuple[int, ...] = ()
+    """Micro-batch sizes to try; empty: every power of two dividing the per-rank batch."""
+    ac: tuple[str, ...] = AC_MODES
+    offload: tuple[bool, ...] = (False, True)
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    sequence_parallel: bool = True
+    headroom: float = 0.1
+    """Fraction of device memory kept free (CUDA context, NCCL, fragmentation)."""
+    overlap: float = DEFAULT_OVERLAP
+    foreach: bool = True
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that fits, with its memory and time estimates."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    step: StepEstimate
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A family of layouts that cannot run, and why."""
+
+    label: str
+    reason: str
+    needed_bytes: float = 0.0
+
+
+@dataclass
+class PlanResult:
+    feasible: list[Candidate] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    usable_bytes: float = 0.0
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    values, v = [], 1
+    while v <= limit:
+        values.append(v)
+        v *= 2
+    return values
+
+
+def structural_problem(desc: ModelDescription, cluster: Cluster, strategy: str, tp: int, pp: int,
+                       request: PlanRequest) -> str | None:
+    """Why (strategy, tp, pp) cannot run at all on this cluster and model, or None."""
+    n = cluster.n_gpus
+    if n % (tp * pp):
+        return f"tp x pp = {tp * pp} does not divide {n} GPUs"
+    dp = n // (tp * pp)
+    if tp > 1 and not desc.tp_capable:
+        return "tensor parallelism needs a known block layout (GPT presets or custom GPT sizes)"
+    if tp > cluster.gpus_per_node:
+        return f"tp={tp} spans nodes: its per-layer all-reduces would cross the {cluster.inter.name} link"
+    if tp > 1 and desc.n_head % tp:
+        return f"n_head={desc.n_head} is not divisible by tp={tp}"
+    if pp > desc.n_layer:
+        return f"pp={pp} exceeds the {desc.n_layer} layers"
+    if request.global_batch % dp:
+        return f"global batch {request.global_batch} is not divisible by dp={dp}"
+    if cluster.peak(request.precision.peak_dtype) <= 0:
+        return f"{cluster.gpu.name} has no {request.precision.peak_dtype} support"
+    return None
+
+
+def redundant(strategy: str, dp: int, shard: int) -> bool:
+    """Families that duplicate another: data-parallel strategies without data
+    parallelism ('none' covers them), 'none' with it, HSDP within one shard group."""
+    if dp == 0:
+        return False
+    if (strategy == "none") != (dp == 1):
+        return True
+    return strategy == "hsdp" and (dp <= shard or dp % shard != 0)
+
+
+def _hsdp_shard(cluster: Cluster, tp: int) -> int:
+    """HSDP shards inside a node and replicates across nodes."""
+    return max(1, cluster.gpus_per_node // tp)
+
+
+def _variants(request: PlanRequest, per_rank: int, strategy: str) -> Iterable[tuple[str, bool, int]]:
+    micro = request.micro_batches or tuple(_powers_of_two(per_rank))
+    for ac in request.ac:
+        for offload in request.offload:
+            if offload and strategy not in ("fsdp3", "hsdp"):
+                continue
+            for mb in micro:
+                if per_rank % mb == 0:
+                    yield ac, offload, mb
+
+
+def _saving_key(memory: MemoryEstimate, layout: Layout) -> tuple[float, int, int, bool]:
+    """Order of failed attempts: least memory, then the strongest savers (smallest
+    micro-batch, most recomputation, offload), so the message names what was tried."""
+    return (round(memory.peak_bytes), layout.micro_batch, -AC_MODES.index(layout.ac), not layout.offload)
+
+
+def _better(step: StepEstimate, memory: MemoryEstimate, best: Candidate) -> bool:
+    """Faster wins; within half a percent (the model's resolution) less memory wins."""
+    ours, theirs = step.tokens_per_second, best.step.tokens_per_second
+    if ours > theirs * 1.005:
+        return True
+    return ours >= theirs * 0.995 and memory.peak_bytes < best.memory.peak_bytes
+
+
+def _family_label(strategy: str, tp: int, pp: int, dp: int) -> str:
+    return f"{strategy} dp={dp} tp={tp} pp={pp}"
+
+
+
+def plan(desc: ModelDescription, cluster: Cluster, request: PlanRequest) -> PlanResult:
+    """Every layout family for ``cluster``: the best feasible variant of each, ranked
+    fastest first, and the reason each infeasible family fails."""
+    usable = usable_bytes(cluster.gpu.memory, request.headroom)
+    result = PlanResult(usable_bytes=usable)
+    tps = request.tp or tuple(_powers_of_two(2 * cluster.gpus_per_node))
+    pps = request.pp or tuple(_powers_of_two(min(desc.n_layer, cluster.n_gpus)))
+    for strategy in request.strategies:
+        for tp in tps:
+            for pp in pps:
+                if cluster.n_gpus % (tp * pp):
+                    continue  # not a layout of this many GPUs at all
+                dp = cluster.n_gpus // (tp * pp)
+                if redundant(strategy, dp, _hsdp_shard(cluster, tp)):
+                    continue
+                problem = structural_problem(desc, cluster, strategy, tp, pp, request)
+                if problem:
+                    result.rejected.append(Rejection(_family_label(strategy, tp, pp, dp), problem))
+                    continue
+                _plan_family(desc, cluster, request, strategy, tp, pp, usable, result)
+    result.feasible.sort(key=lambda c: -c.step.tokens_per_second)
+    result.rejected.sort(key=lambda r: (r.needed_bytes == 0, r.needed_bytes))
+    return result
+
+
+def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest, strategy: str, tp: int, pp: int,
+                 usable: float, result: PlanResult) -> None:
+    """Add the fastest variant of (strategy, tp, pp) that fits, or why none does."""
+    dp = cluster.n_gpus // (tp * pp)
+    per_rank = request.global_batch // dp
+    best: Candidate | None = None
+    closest: tuple[MemoryEstimate, Layout] | None = None
+    for ac, offload, mb in _variants(request, per_rank, strategy):
+        layout = make_layout(
+            strategy, cluster.n_gpus, tp=tp, pp=pp, shard=_hsdp_shard(cluster, tp),
+            micro_batch=mb, grad_accum=per_rank // mb, seq_len=request.seq_len, precision=request.precision,
+            optimizer=request.optimizer, ac=ac, offload=offload, sequence_parallel=request.sequence_parallel,
+            pp_schedule=request.pp_schedule, pp_virtual=request.pp_virtual,
+        )
+        memory = estimate_memory(desc, layout, foreach=request.foreach)
+        if memory.peak_bytes > usable:
+            if closest is None or _saving_key(memory, layout) < _saving_key(*closest):
+                closest = (memory, layout)
+            continue
+        step = estimate_step(desc, layout, cluster, overlap=request.overlap)
+        if best is None or _better(step, memory, best):
+            best = Candidate(layout, memory, step)
+    label = _family_label(strategy, tp, pp, dp)
+    if best is not None:
+        result.feasible.append(best)
+    elif closest is not None:
+        result.rejected.append(_out_of_memory(label, *closest, usable))
+    else:
+        result.rejected.append(Rejection(label, "no micro-batch in the requested list divides the "
+                                                f"{per_rank} samples each rank gets"))
+
+
+def _out_of_memory(label: str, memory: MemoryEstimate, layout: Layout, usable: float) -> Rejection:
+    """The rejection of a family, quoting its smallest attempt and what fills it."""
+    top = sorted(memory.items, key=lambda i: -i.bytes)[:2]
+    parts = ", ".join(f"{i.name} {fmt_bytes(i.bytes)}" for i in top)
+    saver = f"micro-batch {layout.micro_batch}, ac={layout.ac}" + (", offload" if layout.offload else "")
+    reason = (f"out of memory: needs {fmt_bytes(memory.peak_bytes)} > {fmt_bytes(usable)} usable even with "
+              f"{saver} (largest: {parts})")
+    return Rejection(label, reason, memory.peak_bytes)
