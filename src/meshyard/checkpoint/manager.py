@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from meshyard.checkpoint.manifest import MANIFEST, build_manifest, verify
 from meshyard.checkpoint.storage import CheckpointStore
@@ -122,7 +123,7 @@ class CheckpointManager:
                 dcp.save(tensor_state, storage_writer=writer)
             else:
                 pending.future = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group)
-        except Exception as exc:  # storage errors surface here for synchronous saves
+        except (Exception, CheckpointException) as exc:  # storage errors of synchronous saves
             self._fail(pending, exc)
             return
         self._pending = pending
@@ -140,7 +141,7 @@ class CheckpointManager:
             if self._pending.future is not None:
                 try:
                     self._pending.future.result()
-                except Exception:
+                except (Exception, CheckpointException):
                     pass  # reported by _complete
             self._complete()
 
@@ -172,7 +173,7 @@ class CheckpointManager:
         self._apply_retention()
 
     def _fail(self, pending: PendingSave, error: BaseException) -> None:
-        message = (f"checkpoint of step {pending.step} failed and was discarded ({type(error).__name__}: {error}); "
+        message = (f"checkpoint of step {pending.step} failed and was discarded ({_describe(error)}); "
                    f"earlier checkpoints are intact. Check free space and access to {self.store.url}.")
         self.report(message)
         self.outcomes.append(SaveOutcome(pending.step, None, str(error), time.perf_counter() - pending.started))
@@ -257,6 +258,15 @@ def find_latest_valid(store: CheckpointStore, checksums: bool = True,
 
 def read_trainer_state(store: CheckpointStore, name: str) -> dict[str, Any]:
     return store.read_json(store.path(name, TRAINER_STATE))
+
+
+def _describe(error: BaseException) -> str:
+    """The root cause, not DCP's wrapper with every rank's traceback."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, failure = next(iter(error.failures.items()))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _dumps(value: Any) -> str:

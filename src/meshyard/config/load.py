@@ -109,6 +109,8 @@ def coerce(value: Any, tp: Any, where: str) -> tuple[Any, str | None]:
         hint = did_you_mean(str(value), [str(c) for c in choices])
         return value, f"{where} = {value!r} is not {_type_name(tp)}{hint}"
     if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):  # --flag=True from a shell
+            value = value.lower() == "true"
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)

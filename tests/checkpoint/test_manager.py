@@ -1,0 +1,137 @@
+"""The checkpoint manager in one process: commit protocol, retention, failures, verification."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import fsspec
+import pytest
+import torch
+import torch.distributed as dist
+from fsspec.implementations.memory import MemoryFileSystem
+
+from meshyard.checkpoint.manager import CheckpointManager, find_latest_valid
+from meshyard.checkpoint.manifest import verify
+from meshyard.checkpoint.state import tensor_state
+from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.config.load import load_config
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def make_manager(root: str, *overrides: str, messages: list[str] | None = None) -> CheckpointManager:
+    cfg = load_config(None, list(overrides)).checkpoint
+    sink = messages if messages is not None else []
+    return CheckpointManager(cfg, CheckpointStore(root, cfg.storage_options), rank=0, report=sink.append,
+                             facts={"world_size": 1})
+
+
+def state(model, optimizer):
+    return tensor_state(model, optimizer, rank=0)
+
+
+@pytest.fixture
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def save(manager, step, model, optimizer, eval_loss=None, blocking=False):
+    manager.save(step, state(model, optimizer), {"progress": {"step": step}}, {"eval_loss": eval_loss},
+                 blocking=blocking)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_commit_protocol_and_retention(one_rank, tmp_path, model_and_optimizer, async_save):
+    model, optimizer = model_and_optimizer
+    manager = make_manager(str(tmp_path), "--checkpoint.keep_last=2", f"--checkpoint.async_save={async_save}")
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 2.4}  # the best (step 2) is not among the newest
+    for step, loss in losses.items():
+        save(manager, step, model, optimizer, eval_loss=loss)
+        manager.poll()
+    manager.wait()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000002", "step-00000004", "step-00000005"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000005"
+    manifest = json.loads((tmp_path / "step-00000005" / "manifest.json").read_text())
+    assert manifest["step"] == 5 and manifest["world_size"] == 1 and manifest["eval_loss"] == 2.4
+    assert {".metadata", "trainer_state.json"} <= set(manifest["files"])
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert [o.step for o in manager.outcomes if o.name] == [1, 2, 3, 4, 5]
+
+
+def test_half_written_checkpoint_is_never_valid(one_rank, tmp_path, model_and_optimizer):
+    model, optimizer = model_and_optimizer
+    manager = make_manager(str(tmp_path), "--checkpoint.async_save=false")
+    save(manager, 3, model, optimizer)
+    # A crash mid-save leaves a staging folder: ignored by readers, removed by the next manager.
+    (tmp_path / "step-00000006.partial").mkdir()
+    (tmp_path / "step-00000006.partial" / "__0_0.distcp").write_bytes(b"partial")
+    # A published folder without its manifest (a remote store mid-write) is not valid either.
+    (tmp_path / "step-00000009").mkdir()
+    messages: list[str] = []
+    store = CheckpointStore(str(tmp_path))
+    name, _ = find_latest_valid(store, report=messages.append)
+    assert name == "step-00000003"
+    assert "step-00000009 is not valid: no manifest" in messages[0]
+    make_manager(str(tmp_path))
+    assert not (tmp_path / "step-00000006.partial").exists()
+
+
+def test_verify_detects_truncation_and_missing_files(one_rank, tmp_path, model_and_optimizer):
+    model, optimizer = model_and_optimizer
+    manager = make_manager(str(tmp_path), "--checkpoint.async_save=false")
+    save(manager, 1, model, optimizer)
+    store, directory = CheckpointStore(str(tmp_path)), str(tmp_path / "step-00000001")
+    assert verify(store, directory)[1] is None
+    shard = tmp_path / "step-00000001" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert "bytes, the manifest says" in verify(store, directory)[1]
+    shard.unlink()
+    assert verify(store, directory)[1] == "file __0_0.distcp is missing"
+
+
+class FullDiskFS(MemoryFileSystem):
+    """An in-memory store whose writes fail with ENOSPC once ``full`` is set."""
+
+    protocol = "fulldisk"
+    full = False
+
+    def _open(self, path, mode="rb", **kwargs):
+        if FullDiskFS.full and ("w" in mode or "a" in mode):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super()._open(path, mode, **kwargs)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_storage_error_keeps_previous_checkpoint(one_rank, model_and_optimizer, async_save):
+    fsspec.register_implementation("fulldisk", FullDiskFS, clobber=True)
+    model, optimizer = model_and_optimizer
+    root = f"fulldisk://bucket-{async_save}"
+    messages: list[str] = []
+    manager = make_manager(root, f"--checkpoint.async_save={async_save}", messages=messages)
+    FullDiskFS.full = False
+    save(manager, 1, model, optimizer)
+    manager.wait()
+    FullDiskFS.full = True
+    try:
+        save(manager, 2, model, optimizer)
+        manager.wait()
+    finally:
+        FullDiskFS.full = False
+    assert len(messages) == 1
+    assert "checkpoint of step 2 failed" in messages[0] and "No space left on device" in messages[0]
+    assert "earlier checkpoints are intact" in messages[0] and "Traceback" not in messages[0]
+    assert [o.error is not None for o in manager.outcomes] == [False, True]
+    store = CheckpointStore(root)
+    assert find_latest_valid(store, report=messages.append)[0] == "step-00000001"
