@@ -12,25 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshyard.checkpoint.resume import RESUME_MODES, ResumeError, find_explicit, latest_run_dir
 from meshyard.config.dump import config_to_dict
+from meshyard.config.load import ConfigError
 from meshyard.config.sections import Config
 from meshyard.config.validate import validate
-from meshyard.data.corpus import load_corpus
-from meshyard.launch.local import WorkerFailure, launch_local
+from meshyard.data.corpus import DataSourceError, load_corpus
+from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
+from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import PluginError, is_custom_reference, load_callable
-from meshyard.config.load import ConfigError
-from meshyard.data.corpus import DataSourceError
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.environment import detect_environment
-from meshyard.checkpoint.resume import RESUME_MODES, ResumeError, find_explicit, latest_run_dir
-from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.worker import run_worker, spawned_worker
 
 
@@ -122,19 +122,32 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
         finally:
             torch.set_num_threads(threads)
     else:
+        started = time.time()
         try:
             summary = launch_local(spawned_worker, args, nproc, config.fault.max_restarts,
                                    config.fault.grace_period_s)[0]
         except WorkerFailure as failure:
             if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
-                raise _preemption_from_record(run_dir) from None
+                raise _preemption_from_record(run_dir, started) from None
             raise
+        except LauncherStopped as stopped:
+            # The signal reached this process too; the agent passed it on to the workers,
+            # which saved (or not) within the grace period.
+            preempted = _preemption_from_record(run_dir, started)
+            if preempted.step < 0:
+                raise WorkerFailure(f"stopped by signal {stopped.signal_number} before the workers could save; "
+                                    f"raise fault.grace_period_s if saves take longer", []) from None
+            raise preempted from None
     return RunResult(run_dir, summary)
 
 
-def _preemption_from_record(run_dir: Path) -> Preempted:
+def _preemption_from_record(run_dir: Path, since: float) -> Preempted:
+    """The preemption the workers recorded after ``since`` (step -1 if none)."""
+    path = run_dir / "preemption.json"
     try:
-        record = json.loads((run_dir / "preemption.json").read_text())
+        if path.stat().st_mtime < since:
+            raise OSError("an older preemption")
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return Preempted(-1, "a signal", None)
     return Preempted(record["step"], record["signal"], record["checkpoint"])

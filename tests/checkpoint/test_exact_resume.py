@@ -82,3 +82,21 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupte
     assert "resumed from" in out and "step-00000006 at step 6" in out
     assert losses(run_dir) == losses(uninterrupted)
     assert_bitwise_equal(model_tensors(latest_checkpoint(run_dir)), model_tensors(latest_checkpoint(uninterrupted)))
+
+
+@pytest.mark.parametrize("target, sig", [("rank0", signal.SIGUSR1), ("launcher", signal.SIGINT)])
+def test_other_stop_signals_save_and_exit_75(tmp_path, target, sig):
+    """SIGUSR1 (Slurm's --signal) on a worker, or Ctrl-C / SIGTERM on the launcher, which
+    passes it to every worker and waits the grace period."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--train.steps=400", "--checkpoint.interval=100")
+    wait_for_step(run_dir, 4, proc)
+    if target == "launcher":
+        proc.send_signal(sig)
+    else:
+        send(run_dir, rank=0, sig=sig)
+    code, _, err = finish(proc)
+    assert code == 75, err[-3000:]
+    record = json.loads((run_dir / "preemption.json").read_text())
+    assert sig.name in record["signal"] and record["within_grace"]
+    assert latest_checkpoint(run_dir).name == f"step-{record['step']:08d}"

@@ -11,8 +11,17 @@ import socket
 import uuid
 from typing import Any, Callable
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+class LauncherStopped(RuntimeError):
+    """This process got a stop signal; the workers were given the grace period and stopped."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(f"stopped by signal {signal_number}")
+        self.signal_number = signal_number
 
 
 class WorkerFailure(RuntimeError):
@@ -50,6 +59,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
     )
     try:
         return elastic_launch(config, entrypoint)(*args)
+    except SignalException as exc:
+        raise LauncherStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         message = failure.message
