@@ -164,8 +164,10 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                    runtime.is_main)
     restored_rng = False
     if point is not None:
+        load_start = time.perf_counter()
         restored_rng = load_resume_point(point, cfg.checkpoint, trainer, runtime.rank)
-        facts["resumed_from"] = {"checkpoint": point.location, "step": trainer.progress.step}
+        facts["resumed_from"] = {"checkpoint": point.location, "step": trainer.progress.step,
+                                 "load_s": time.perf_counter() - load_start}
     if not restored_rng:
         # Different dropout masks per data-parallel rank; after a resume on another
         # layout, also different from the masks of the steps already taken.

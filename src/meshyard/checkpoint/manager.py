@@ -226,6 +226,9 @@ class NullCheckpointManager:
     enabled = False
     save_final = False
 
+    def __init__(self) -> None:
+        self.outcomes: list[SaveOutcome] = []
+
     def due(self, step: int) -> bool:
         return False
 

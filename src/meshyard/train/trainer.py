@@ -104,6 +104,8 @@ class Trainer:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self._saved_step = -1
         self._last_eval_loss: float | None = None
+        self._checkpoint_stall: float | None = None
+        self._outcomes_seen = 0
 
     # state ----------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -226,25 +228,43 @@ class Trainer:
                     "step_time_s": step_time, "data_time_s": data_time,
                     "tokens_per_s": self.tokens_per_step / step_time,
                     "samples_per_s": self.batch.global_batch / step_time,
-                    "tokens_seen": self.progress.tokens_seen,
+                    "tokens_seen": self.progress.tokens_seen, "time": time.time(),
                 }
                 self._last_eval_loss = None
                 if self._should_evaluate():
                     record["eval_loss"] = self._last_eval_loss = self.evaluate()
                     best = self.progress.best_eval_loss
                     self.progress.best_eval_loss = record["eval_loss"] if best is None else min(best, record["eval_loss"])
-                self.sinks.record_step(record, local_loss=loss.item())
                 self.checkpoints.poll()
+                record.update(self._checkpoint_figures())
+                self.sinks.record_step(record, local_loss=loss.item())
                 if preempt:
                     self._stop_for_preemption()
                 if time_save or self.checkpoints.due(self.progress.step):
+                    stall_start = time.perf_counter()
                     self.save_checkpoint(eval_loss=record.get("eval_loss"))
+                    self._checkpoint_stall = time.perf_counter() - stall_start
             if self.checkpoints.save_final and self._saved_step != self.progress.step:
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
             self.checkpoints.wait()
         finally:
             self.sinks.display.stop()
         return self._summary(time.perf_counter() - start)
+
+    def _checkpoint_figures(self) -> dict[str, Any]:
+        """How long the last save held up training, and saves that finished since the last
+        step: their total time (in the background for async saves) or their error."""
+        figures: dict[str, Any] = {}
+        if self._checkpoint_stall is not None:
+            figures["checkpoint_stall_s"], self._checkpoint_stall = self._checkpoint_stall, None
+        outcomes = self.checkpoints.outcomes
+        for outcome in outcomes[self._outcomes_seen:]:
+            figures["checkpoint_step"] = outcome.step
+            figures["checkpoint_s"] = outcome.seconds
+            if outcome.error:
+                figures["checkpoint_error"] = outcome.error
+        self._outcomes_seen = len(outcomes)
+        return figures
 
     def _stop_for_preemption(self) -> None:
         self.sinks.display.note(f"meshyard: preemption signal received; saving at step {self.progress.step}")
