@@ -135,3 +135,14 @@ def test_storage_error_keeps_previous_checkpoint(one_rank, model_and_optimizer, 
     assert [o.error is not None for o in manager.outcomes] == [False, True]
     store = CheckpointStore(root)
     assert find_latest_valid(store, report=messages.append)[0] == "step-00000001"
+
+
+def test_time_based_saving_is_decided_by_rank_0_clock(one_rank, tmp_path):
+    manager = make_manager(str(tmp_path), "--checkpoint.interval_minutes=0.001", "--checkpoint.interval=0")
+    assert not manager.due(5)  # step-based saving is off
+    import time
+
+    time.sleep(0.1)
+    assert manager.time_due()
+    manager.rank = 1
+    assert not manager.time_due()  # other ranks follow rank 0 through the step's all-reduce

@@ -39,8 +39,8 @@ def uninterrupted(first_half):
 
 @pytest.mark.parametrize(
     "nproc, strategy",
-    [(1, "none"), (4, "ddp"), (2, "fsdp")],
-    ids=["2-to-1", "2-to-4", "ddp-to-fsdp"],
+    [(1, "none"), (4, "ddp"), (2, "fsdp"), (2, "zero1")],
+    ids=["2-to-1", "2-to-4", "ddp-to-fsdp", "ddp-to-zero1"],
 )
 def test_resume_on_new_layout_sees_every_sample_once(first_half, uninterrupted, nproc, strategy):
     tmp, first = first_half
@@ -55,3 +55,12 @@ def test_resume_on_new_layout_sees_every_sample_once(first_half, uninterrupted, 
     seen = seen_indices(tmp / "a" / "seen") + seen_indices(tmp / name / "seen")
     assert len(seen) == STEPS * GLOBAL_BATCH
     assert len(set(seen)) == len(seen), "a sample was seen twice"
+
+
+def test_zero1_checkpoint_continues_under_ddp(first_half, uninterrupted):
+    """ZeRO-1 saves each rank's optimizer partition under parameter names: the whole state."""
+    tmp, _ = first_half
+    first = meshyard.run(job(tmp, "z", f"--train.steps={HALF}", "--parallel.strategy=zero1"), nproc=2)
+    second = meshyard.run(job(tmp, "zd", f"--train.steps={STEPS}"), nproc=2, resume=str(first.run_dir))
+    for record, reference in zip(second.metrics(), uninterrupted[HALF:]):
+        assert record["loss"] == pytest.approx(reference["loss"], rel=1e-5)

@@ -16,8 +16,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshyard.parallel.data_parallel import unwrap
 
 
 class Stateful(Protocol):
@@ -25,11 +28,22 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _dcp_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """ZeRO-1 keeps the state of its own shard in an inner optimizer; that inner one is
-    saved, each rank contributing its parameters' entries under their names, so the
-    checkpoint holds the full optimizer state however it was partitioned."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+def _zero_optimizer_state(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """ZeRO-1's state in the layout DCP's state-dict helpers use for plain optimizers:
+    ``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``.
+
+    Each rank holds the state of its own partition (an inner optimizer), so each rank
+    contributes the entries of its parameters and the checkpoint holds the full state,
+    loadable under DDP, FSDP or ZeRO-1 with any partitioning. The state tensors returned
+    are the optimizer's own, so a DCP load fills them in place.
+    """
+    names = {param: name for name, param in unwrap(model).named_parameters()}  # first name of tied params
+    _init_optim_state(zero.optim)
+    state = {names[p]: zero.optim.state[p] for group in zero.optim.param_groups for p in group["params"]
+             if p in zero.optim.state}
+    groups = [{**{k: v for k, v in inner.items() if k != "params"}, "params": [names[p] for p in outer["params"]]}
+              for inner, outer in zip(zero.optim.param_groups, zero.param_groups)]
+    return {"state": state, "param_groups": groups}
 
 
 def rng_key(rank: int) -> str:
@@ -73,7 +87,10 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
                  extra: dict[str, Stateful] | None = None) -> dict[str, Any]:
     """The DCP state of this rank: model, optimizer, RNG, and any extra stateful objects
     (for example gradient-compression state), each under its own key."""
-    model_state, optim_state = get_state_dict(model, _dcp_optimizer(optimizer))
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        model_state, optim_state = get_model_state_dict(model), _zero_optimizer_state(model, optimizer)
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, rng_key(rank): capture_rng()}
     for name, obj in (extra or {}).items():
         state[f"{name}.rank{rank}"] = obj.state_dict()
@@ -92,9 +109,13 @@ def load_tensor_state(
     for key in own_keys:
         if not any(saved == key or saved.startswith(key + ".") for saved in saved_keys):
             del state[key]
-    load(state)
-    set_state_dict(model, _dcp_optimizer(optimizer), model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        del state["optim"]["param_groups"]  # hyperparameters come from the config; lr from the scheduler
+        load(state)  # fills the optimizer's state tensors in place
+        set_model_state_dict(model, state["model"])
+    else:
+        load(state)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for name, obj in (extra or {}).items():
         if f"{name}.rank{rank}" in state:
             obj.load_state_dict(state[f"{name}.rank{rank}"])

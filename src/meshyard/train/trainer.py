@@ -128,6 +128,8 @@ class Trainer:
             )
         self.progress.load_state_dict(state["progress"])
         self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # optimizers whose state was loaded without hyperparameters (ZeRO-1)
         if state.get("scaler"):
             self.precision.scaler.load_state_dict(state["scaler"])
         # The sample stream is indexed by global step, so this position is valid for any
