@@ -158,7 +158,7 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                    if cfg.checkpoint.enabled else NullCheckpointManager())
     writer = JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()
     trainer = Trainer(model, optimizer, scheduler, precision, data, batch, cfg.train, runtime.device,
-                      dp_mesh.get_group(), dp_rank, cfg.data.seq_len, Sinks(display, writer, logger),
+                      dp_rank, cfg.data.seq_len, Sinks(display, writer, logger),
                       checkpoints, watcher)
     point = _agree(lambda: choose_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report),
                    runtime.is_main)

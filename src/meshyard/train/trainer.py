@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -24,9 +23,9 @@ from meshyard.config.sections import TrainConfig
 from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
 from meshyard.metrics.records import Sinks
 from meshyard.data.loader import DataBundle
-from meshyard.parallel.data_parallel import set_gradient_sync
 from meshyard.train.batching import BatchPlan
 from meshyard.train.precision import Precision
+from meshyard.train.step import Batch, MicroBatchStep, StepRunner
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -42,11 +41,6 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 @dataclass
@@ -77,12 +71,12 @@ class Trainer:
         batch: BatchPlan,
         cfg: TrainConfig,
         device: torch.device,
-        dp_group: dist.ProcessGroup,
         dp_rank: int,
         seq_len: int,
         sinks: Sinks,
         checkpoints: CheckpointManager | NullCheckpointManager,
         preemption: PreemptionWatcher | NullWatcher,
+        runner: StepRunner | None = None,
         extra_state: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
@@ -93,12 +87,12 @@ class Trainer:
         self.batch = batch
         self.cfg = cfg
         self.device = device
-        self.dp_group = dp_group
         self.dp_rank = dp_rank
         self.tokens_per_step = batch.global_batch * seq_len
         self.sinks = sinks
         self.checkpoints = checkpoints
         self.preemption = preemption
+        self.runner = runner or MicroBatchStep(model, precision, device)
         self.extra_state = extra_state or {}
         self.progress = TrainProgress()
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -150,46 +144,40 @@ class Trainer:
         """One all-reduce per step carries the loss and the control flags every rank must
         agree on: a preemption signal seen by any rank, and rank 0's clock asking for a
         time-based checkpoint. Returns (mean loss over ranks, preempt, save now)."""
+        weight = float(self.runner.holds_loss)
         flags = torch.tensor(
-            [loss.detach().item(), float(self.preemption.requested), float(self.checkpoints.time_due())],
+            [loss.detach().item() * weight, weight, float(self.preemption.requested),
+             float(self.checkpoints.time_due())],
             dtype=torch.float64,
         )
         dist.all_reduce(flags)
-        world = dist.get_world_size()
-        return flags[0].item() / world, flags[1].item() > 0, flags[2].item() > 0
+        return flags[0].item() / flags[1].item(), flags[2].item() > 0, flags[3].item() > 0
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
-        """Average of a per-rank scalar over the data-parallel ranks (gloo has no AVG)."""
-        value = value.detach().reshape(1).to(torch.float64)
-        dist.all_reduce(value, group=self.dp_group)
-        return value.item() / dist.get_world_size(self.dp_group)
+    def _mean_of_losses(self, value: torch.Tensor) -> float:
+        """Mean of a per-rank loss over the ranks that compute one (gloo has no AVG).
+        Model-parallel peers hold the same value, so the mean is the data-parallel one."""
+        weight = float(self.runner.holds_loss)
+        pair = torch.tensor([value.detach().item() * weight, weight], dtype=torch.float64)
+        dist.all_reduce(pair)
+        return pair[0].item() / pair[1].item()
 
-    def _next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _next_micro_batches(self) -> list[Batch]:
         out = []
         for _ in range(self.batch.grad_accum):
             x, y = next(self._train_iter)
             out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         return out
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
-        accum = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for index, (inputs, targets) in enumerate(micro_batches):
-            # Gradients are synchronised only on the last micro-step: the others just
-            # accumulate locally, which is what makes accumulation cheap.
-            set_gradient_sync(self.model, index == accum - 1)
-            with self.precision.autocast():
-                loss = next_token_loss(self.model(inputs), targets)
-            self.precision.scaler.scale(loss / accum).backward()
-            loss_sum += loss.detach()
+        loss = self.runner.forward_backward(micro_batches)
         self.precision.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip)
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_sum / accum, grad_norm
+        return loss, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -198,11 +186,10 @@ class Trainer:
         count = 0
         for inputs, targets in self.data.eval_batches(self.batch.micro_batch, self.cfg.eval_batches,
                                                       self.dp_rank, self.batch.dp_size):
-            with self.precision.autocast():
-                total += next_token_loss(self.model(inputs.to(self.device)), targets.to(self.device))
+            total += self.runner.eval_loss(inputs.to(self.device), targets.to(self.device))
             count += 1
         self.model.train()
-        return self._mean_over_dp(total / max(count, 1))
+        return self._mean_of_losses(total / max(count, 1))
 
     def fit(self) -> dict[str, Any]:
         """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures.

@@ -1,0 +1,66 @@
+"""Forward and backward of one optimizer step, for layouts without pipelining.
+
+The Trainer hands each step's micro-batches to a step runner and gets back the mean
+loss. Runners differ by how the model is executed (here: one micro-batch after another
+on the whole model; a pipeline runner drives a schedule instead); everything around
+them (clipping, optimizer, schedule, records, checkpoints) is the Trainer's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshyard.parallel.data_parallel import set_gradient_sync
+from meshyard.train.precision import Precision
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all positions, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class StepRunner(Protocol):
+    holds_loss: bool
+    """Whether this rank computes the loss (under pipelining only the last stage does)."""
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Accumulate gradients of the mean loss over ``micro_batches``; return that loss."""
+        ...
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Loss of one batch without gradients."""
+        ...
+
+
+class MicroBatchStep:
+    """Runs the micro-batches one after another through the whole (possibly sharded) model."""
+
+    holds_loss = True
+
+    def __init__(self, model: nn.Module, precision: Precision, device: torch.device) -> None:
+        self.model = model
+        self.precision = precision
+        self.device = device
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        accum = len(micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for index, (inputs, targets) in enumerate(micro_batches):
+            # Gradients are synchronised only on the last micro-step: the others just
+            # accumulate locally, which is what makes accumulation cheap.
+            set_gradient_sync(self.model, index == accum - 1)
+            with self.precision.autocast():
+                loss = next_token_loss(self.model(inputs), targets)
+            self.precision.scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
+        return loss_sum / accum
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            return next_token_loss(self.model(inputs), targets)
