@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshyard.bench import cli as bench_cli
 from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, group_override_tokens, load_config
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(subparsers)
     checkpoint_cli.add_parser(subparsers)
     plan_cli.add_parser(subparsers)
+    bench_cli.add_bench_parser(subparsers)
     return parser
 
 
@@ -98,6 +100,7 @@ COMMANDS = {
     "config": _cmd_config,
     "ckpt": _without_overrides(checkpoint_cli.main),
     "plan": _without_overrides(plan_cli.main),
+    "bench": bench_cli.run_bench,
 }
 
 

@@ -29,6 +29,8 @@ from meshyard.config.sections import Config
 from meshyard.config.validate import validate
 from meshyard.data.loader import build_data
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
+from meshyard.metrics.setup import build_exporters, build_meter, build_timer
+from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger, read_metrics, truncate_metrics
 from meshyard.models.registry import build_model
@@ -117,6 +119,14 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     dims, batch = layout.dims, layout.batch
     run_dir = Path(_agree(lambda: run_dir_text or str(resolve_run_dir(cfg.run, _cluster_job_id())), runtime.is_main))
     run_dir.mkdir(parents=True, exist_ok=True)
+    display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
+               if runtime.is_main else NullDisplay())
+    logger = rank_logger(run_dir, runtime.rank)
+    report = _reporter(display, logger)
+    watchdog = (HangWatchdog(run_dir, runtime.rank, runtime.world_size, runtime.store, cfg.fault.hang_timeout_s,
+                             cfg.fault.hang_abort, report)
+                if cfg.fault.hang_timeout_s > 0 and runtime.store is not None else NullWatchdog())
+    timer = build_timer(cfg.metrics, runtime.device, watchdog.at)
     mesh, dp_mesh = dims.build_mesh(runtime.device.type)
     dp_rank = dp_mesh.get_local_rank()
 
@@ -127,10 +137,13 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     with runtime.device:
         model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
+    meter, throughput_facts = build_meter(cfg.metrics, timer, model, cfg.data.seq_len, runtime.device,
+                                          resolve_dtype(cfg.precision.dtype, runtime.device), runtime.world_size)
 
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
     sharded = cfg.parallel.strategy == "fsdp"
-    model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm)
+    model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm,
+                                     hook_wrapper=timer.comm.wrap if timer.comm else None)
     peak_lr = scaled_peak_lr(cfg.optim, batch.global_batch)
     zero_group = mesh["dp_replicate"].get_group() if cfg.parallel.strategy == "zero1" and dims.dp > 1 else None
     optimizer = build_optimizer(unwrap(model), cfg.optim, peak_lr, zero_group)
@@ -142,13 +155,10 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
         "strategy": cfg.parallel.strategy, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
         "global_batch": batch.global_batch, "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum,
         "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "peak_lr": peak_lr,
-        "data": data.description, "train_samples": data.train_samples,
+        "data": data.description, "train_samples": data.train_samples, **throughput_facts,
+        "memory_capacity_bytes": meter.memory.capacity, "local_world_size": _local_world_size(runtime),
     }
-    display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
-               if runtime.is_main else NullDisplay())
-    logger = rank_logger(run_dir, runtime.rank)
     logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(facts))
-    report = _reporter(display, logger)
     own_root = checkpoint_root(cfg.checkpoint, run_dir)
     manifest_facts = {key: facts[key] for key in ("world_size", "strategy", "dp_replicate", "dp_shard",
                                                   "global_batch", "micro_batch")}
@@ -157,9 +167,12 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                                      runtime.rank, report, manifest_facts)
                    if cfg.checkpoint.enabled else NullCheckpointManager())
     writer = JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()
+    exporters = build_exporters(cfg.metrics, run_dir) if runtime.is_main else []
+    sinks = Sinks(display, writer, logger, exporters)
     trainer = Trainer(model, optimizer, scheduler, precision, data, batch, cfg.train, runtime.device,
-                      dp_rank, cfg.data.seq_len, Sinks(display, writer, logger),
-                      checkpoints, watcher)
+                      dp_rank, cfg.data.seq_len, sinks, checkpoints, watcher,
+                      extra_state={"comm": compression} if compression.state_dict() else None,
+                      meter=meter, compression=compression, on_nonfinite=cfg.fault.on_nonfinite)
     point = _agree(lambda: choose_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report),
                    runtime.is_main)
     restored_rng = False
@@ -188,7 +201,8 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
             _record_preemption(run_dir, stop, cfg.fault.grace_period_s)
         raise
     finally:
-        writer.close()
+        watchdog.stop()
+        sinks.close()
     logger.info("finished: %s", json.dumps(summary))
     dist.barrier()
     if not runtime.is_main:
@@ -198,6 +212,11 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     display.summary(summary)
     return summary
+
+
+def _local_world_size(runtime: Runtime) -> int:
+    """Ranks sharing this host (they share its memory on CPU)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size if runtime.store is None else 1))
 
 
 def _reporter(display: Any, logger: Any):

@@ -103,7 +103,7 @@ class ParallelConfig:
     strategy: Literal["ddp", "fsdp", "zero1", "none"] = option(
         "ddp",
         "'ddp' (replicate), 'fsdp' (FSDP2 sharding: ZeRO-3, or ZeRO-2 with reshard_after_forward "
-        "= false; HSDP when dp_replicate > 1), 'zero1' (DDP + sharded optimizer) or 'none' (one rank).",
+        "= false; HSDP when dp_replicate > 1), 'zero1' (DDP + sharded optimizer) or 'none' (no data parallelism: one rank, or tp x pp ranks).",
     )
     dp_replicate: int = option(0, "Replicated data-parallel degree; 0 derives it from the world size.")
     dp_shard: int = option(0, "Sharded data-parallel degree (fsdp); 0 derives it from the world size.")
@@ -123,6 +123,27 @@ class ParallelConfig:
     backward_prefetch: int = option(
         0, "fsdp: explicitly prefetch the all-gathers of the previous N blocks in backward; 0 keeps FSDP2's default (1)."
     )
+    tp: int = option(1, "Tensor-parallel degree: attention heads and MLP split Megatron-style over this many ranks.")
+    sequence_parallel: bool = option(
+        True, "tp: also split norms and dropout along the sequence (less activation memory, same result)."
+    )
+    pp: int = option(1, "Pipeline-parallel degree: the model is cut into this many stages, one group of ranks each.")
+    microbatches: int = option(
+        0, "pp: pipeline micro-batches per train.micro_batch (must divide it); 0 uses the number of stages."
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "zerobubble"] = option(
+        "1f1b", "pp: schedule: 'gpipe', '1f1b', 'interleaved1f1b' (pp_virtual_stages per rank) or 'zerobubble'."
+    )
+    pp_virtual_stages: int = option(
+        1, "pp: stages per rank for 'interleaved1f1b'/'zerobubble' (>= 2 there; total stages = pp x this)."
+    )
+    pp_split: list = option(
+        [], "pp: transformer blocks per stage, e.g. [3, 5]; empty balances the blocks by count."
+    )
+    ac: Literal["none", "full", "selective"] = option(
+        "none", "Activation checkpointing: 'none', 'full' (every block) or 'selective' (every ac_every-th block)."
+    )
+    ac_every: int = option(2, "ac = 'selective': recompute every this many blocks in backward instead of storing.")
 
 
 @dataclass
@@ -177,6 +198,11 @@ class FaultConfig:
     max_restarts: int = option(0, "Times the elastic agent restarts the workers after a failure (resuming each time).")
     grace_period_s: float = option(60.0, "Seconds from a preemption signal to the forced stop; the save must fit in it.")
     signals: list = option(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that mean 'save and stop' (on any rank).")
+    hang_timeout_s: float = option(300.0, "Dump every rank's stacks when no step completes for this long; 0 disables.")
+    hang_abort: bool = option(False, "After a hang dump, exit so an elastic restart (fault.max_restarts) can recover.")
+    on_nonfinite: Literal["warn", "stop"] = option(
+        "warn", "A NaN/inf loss or gradient norm: 'warn' (report step and rank, go on) or 'stop' the run."
+    )
 
 
 @dataclass
@@ -186,6 +212,14 @@ class MetricsConfig:
     log_every: int = option(10, "Print a progress line every this many steps when not on a terminal.")
     progress_bar: bool = option(True, "Show a live progress bar on rank 0 when stdout is a terminal.")
     jsonl: bool = option(True, "Write every step's figures to <run dir>/metrics.jsonl.")
+    breakdown: bool = option(True, "Split each step into data, forward, backward, exposed communication, optimizer.")
+    gather_every: int = option(10, "Gather every rank's figures to rank 0 every this many steps; 0 disables.")
+    straggler_factor: float = option(1.25, "Name a rank whose busy time exceeds the median rank's by this factor.")
+    mfu: bool = option(True, "Report model FLOPs utilisation (CPU: against a measured matmul peak).")
+    prometheus: bool = option(False, "Serve metrics for Prometheus from rank 0.")
+    prometheus_host: str = option("127.0.0.1", "Address of the Prometheus endpoint (loopback unless you open it).")
+    prometheus_port: int = option(9464, "Port of the Prometheus endpoint; 0 lets the OS choose (see prometheus.json).")
+    tensorboard: bool = option(False, "Write TensorBoard event files to <run dir>/tensorboard.")
 
 
 @dataclass

@@ -87,6 +87,12 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
             problems.append(f"fault.signals: '{name}' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last = {cfg.checkpoint.keep_last} must be at least 1")
     need(cfg.metrics.log_every >= 1, f"metrics.log_every = {cfg.metrics.log_every} must be at least 1")
+    need(cfg.metrics.gather_every >= 0, f"metrics.gather_every = {cfg.metrics.gather_every} must not be negative")
+    need(cfg.metrics.straggler_factor > 1.0,
+         f"metrics.straggler_factor = {cfg.metrics.straggler_factor} must be above 1 (e.g. 1.25)")
+    need(0 <= cfg.metrics.prometheus_port < 65536,
+         f"metrics.prometheus_port = {cfg.metrics.prometheus_port} is not a port number (0-65535)")
+    need(cfg.fault.hang_timeout_s >= 0, f"fault.hang_timeout_s = {cfg.fault.hang_timeout_s} must not be negative")
     need(cfg.run.nproc >= 1, f"run.nproc = {cfg.run.nproc} must be at least 1")
     need(cfg.run.threads_per_rank >= 0, f"run.threads_per_rank = {cfg.run.threads_per_rank} must not be negative")
 
@@ -117,6 +123,42 @@ def _check_comm(cfg: Config, problems: list[str]) -> None:
         )
 
 
+def _check_model_parallel(cfg: Config, batch: BatchPlan | None, problems: list[str]) -> None:
+    """Tensor/pipeline degrees, schedules, activation checkpointing: ranges and combinations."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "pp_virtual_stages", "ac_every"):
+        if getattr(p, key) < 1:
+            problems.append(f"parallel.{key} = {getattr(p, key)} must be at least 1")
+    if p.microbatches < 0:
+        problems.append(f"parallel.microbatches = {p.microbatches} must not be negative (0 uses parallel.pp)")
+    if p.pp > 1 and p.pp_schedule in ("interleaved1f1b", "zerobubble") and p.pp_virtual_stages < 2:
+        problems.append(
+            f"parallel.pp_schedule = '{p.pp_schedule}' runs several stages per rank; set parallel.pp_virtual_stages "
+            "to 2 or more (or use 'gpipe' / '1f1b')"
+        )
+    if p.pp > 1 and p.pp_schedule in ("gpipe", "1f1b") and p.pp_virtual_stages != 1:
+        problems.append(f"parallel.pp_virtual_stages = {p.pp_virtual_stages} needs parallel.pp_schedule = "
+                        "'interleaved1f1b' or 'zerobubble'; 'gpipe' and '1f1b' run one stage per rank")
+    if p.pp_split and (not all(isinstance(n, int) and n >= 1 for n in p.pp_split)
+                       or len(p.pp_split) != p.pp * p.pp_virtual_stages):
+        problems.append(f"parallel.pp_split = {p.pp_split} must list one positive block count per stage "
+                        f"({p.pp * p.pp_virtual_stages} stages = pp x pp_virtual_stages)")
+    if p.pp > 1 and batch is not None:
+        microbatches = p.microbatches or p.pp
+        if batch.micro_batch % microbatches:
+            problems.append(f"parallel.microbatches = {microbatches} does not divide the {batch.micro_batch} samples "
+                            "of each train.micro_batch; each pipeline micro-batch must hold whole samples")
+    if p.pp > 1 and cfg.comm.compression != "none":
+        problems.append(f"comm.compression = '{cfg.comm.compression}' is not supported with parallel.pp > 1")
+    if p.tp > 1 and cfg.data.seq_len % p.tp and p.sequence_parallel:
+        problems.append(f"data.seq_len = {cfg.data.seq_len} is not divisible by parallel.tp = {p.tp} "
+                        "(sequence parallelism splits the sequence); change one or set parallel.sequence_parallel = false")
+    if p.tp > 1 and p.strategy == "zero1":
+        problems.append("parallel.strategy = 'zero1' does not combine with parallel.tp > 1; use 'fsdp' (FSDP x TP)")
+    if p.pp > 1 and p.strategy == "zero1":
+        problems.append("parallel.strategy = 'zero1' does not combine with parallel.pp > 1; use 'ddp' or 'fsdp'")
+
+
 def load_and_validate(
     path: str | Path | None, overrides: Iterable[str], world_size: int | None = None
 ) -> tuple[Config, ValidatedLayout]:
@@ -135,14 +177,15 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
     for key in ("dp_replicate", "dp_shard"):
         if getattr(p, key) < 0:
             problems.append(f"parallel.{key} = {getattr(p, key)} must not be negative (0 derives it)")
-    if p.strategy == "none" and world_size > 1:
+    model_parallel = max(p.tp, 1) * max(p.pp, 1)
+    if p.strategy == "none" and world_size > model_parallel:
         problems.append(
-            f"parallel.strategy = 'none' runs one process but the world size is {world_size}; "
-            "use --nproc 1 or choose 'ddp', 'fsdp' or 'zero1'"
+            f"parallel.strategy = 'none' runs one process{model_parallel > 1 and f' per tp x pp = {model_parallel}' or ''}"
+            f" but the world size is {world_size}; use --nproc {model_parallel} or choose 'ddp', 'fsdp' or 'zero1'"
         )
-    elif p.dp_replicate >= 0 and p.dp_shard >= 0:
+    elif p.dp_replicate >= 0 and p.dp_shard >= 0 and p.tp >= 1 and p.pp >= 1:
         try:
-            dims = ParallelDims.resolve(p.strategy, world_size, p.dp_replicate, p.dp_shard)
+            dims = ParallelDims.resolve(p.strategy, world_size, p.dp_replicate, p.dp_shard, p.tp, p.pp)
         except ParallelDimsError as exc:
             problems.extend(exc.problems)
     if dims is not None:
@@ -150,6 +193,7 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
             batch = BatchPlan.derive(cfg.train.global_batch, dims.dp, cfg.train.micro_batch, cfg.train.grad_accum)
         except BatchPlanError as exc:
             problems.append(str(exc))
+    _check_model_parallel(cfg, batch, problems)
     if problems:
         raise ConfigError(problems)
     assert dims is not None and batch is not None

@@ -59,22 +59,41 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class Sinks:
-    """Where step records go: the display, metrics.jsonl and the per-rank log."""
+    """Where step records go: the display, metrics.jsonl, the per-rank log, and optional
+    exporters (Prometheus, TensorBoard) on rank 0."""
 
-    def __init__(self, display: Any, writer: JsonlWriter | NullWriter, logger: logging.Logger) -> None:
+    def __init__(self, display: Any, writer: JsonlWriter | NullWriter, logger: logging.Logger,
+                 exporters: list[Any] | None = None) -> None:
         self.display = display
         self.writer = writer
         self.logger = logger
+        self.exporters = exporters or []
         self.step_times: list[float] = []
 
     def record_step(self, record: dict[str, Any], local_loss: float) -> None:
         self.step_times.append(record["step_time_s"])
         self.writer.write(record)
+        for exporter in self.exporters:
+            exporter.write(record)
         self.display.update(record)
         self.logger.info(
             "step %d local_loss %.6f step_time %.4fs data_time %.4fs",
             record["step"], local_loss, record["step_time_s"], record["data_time_s"],
         )
+        if record.get("stragglers"):
+            busy = record["ranks"]["busy_s"]
+            named = ", ".join(f"rank {r} ({busy[r] * 1000:.0f} ms busy)" for r in record["stragglers"])
+            self.warn(f"straggler at step {record['step']}: {named}; median rank "
+                      f"{sorted(busy)[len(busy) // 2] * 1000:.0f} ms")
+
+    def warn(self, message: str) -> None:
+        self.logger.warning(message)
+        self.display.note(f"meshyard: {message}")
+
+    def close(self) -> None:
+        self.writer.close()
+        for exporter in self.exporters:
+            exporter.close()
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> int:

@@ -9,15 +9,28 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: float = 25.0) -> nn.Module:
-    """Replicate ``model`` over the 1-D ``dp_mesh``; gradients are averaged in buckets."""
+def apply_ddp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    bucket_mb: float = 25.0,
+    gradient_as_bucket_view: bool = True,
+    static_graph: bool = False,
+) -> nn.Module:
+    """Replicate ``model`` over the 1-D ``dp_mesh``; gradients are averaged in buckets.
+
+    ``gradient_as_bucket_view`` makes ``.grad`` a view into the all-reduce buckets
+    (one gradient-sized copy less); ``static_graph`` lets DDP skip per-step graph checks
+    when every step uses the same parameters. A compression hook is registered on the
+    result afterwards (``meshyard.comm.attach_compression``).
+    """
     device = next(model.parameters()).device
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=dp_mesh.get_group(),
         bucket_cap_mb=bucket_mb,
-        gradient_as_bucket_view=True,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        static_graph=static_graph,
     )
 
 
@@ -35,12 +48,16 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 0,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each block is its own unit, then the root holds the rest.
 
     ``dp_mesh`` is 1-D for plain sharding or 2-D (replicate, shard) for HSDP.
     ``reshard_after_forward=False`` keeps gathered parameters until backward (ZeRO-2);
     the default frees them after forward and gathers again in backward (ZeRO-3).
+    ``forward_prefetch`` / ``backward_prefetch`` = N > 0 issue the all-gathers of the
+    next N blocks early (more overlap, N blocks' more memory); 0 keeps FSDP2's default.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = _shardable_blocks(model)
@@ -50,7 +67,18 @@ def apply_fsdp(
         reshard = reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    set_prefetch(blocks, forward_prefetch, backward_prefetch)
     return model
+
+
+def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
+    """Explicit FSDP2 prefetching: block i gathers blocks i+1..i+N in forward and
+    i-1..i-N (nearest first, the order backward reaches them) in backward."""
+    for index, block in enumerate(blocks):
+        if forward > 0 and index + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + forward])
+        if backward > 0 and index > 0:
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - backward):index][::-1])
 
 
 def unwrap(model: nn.Module) -> nn.Module:

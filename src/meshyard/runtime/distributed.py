@@ -21,6 +21,8 @@ class Runtime:
     local_rank: int
     device: torch.device
     backend: str
+    store: dist.Store | None = None
+    """The job's key-value store (rendezvous), also used by the hang watchdog."""
 
     @property
     def is_main(self) -> bool:
@@ -49,17 +51,16 @@ def init_distributed(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu" and threads_per_rank:
         torch.set_num_threads(threads_per_rank)
+    store = None
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        if env is None:
-            # A single process needs no rendezvous: an in-memory store suffices.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            dist.init_process_group(
-                backend, store=_job_store(env, timeout), rank=rank, world_size=world, timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
-    return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+        # A single process needs no rendezvous: an in-memory store suffices.
+        store = dist.HashStore() if env is None else _job_store(env, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend, store=store)
 
 
 def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:

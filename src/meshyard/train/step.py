@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.parallel.data_parallel import set_gradient_sync
 from meshyard.train.precision import Precision
 
@@ -43,10 +44,12 @@ class MicroBatchStep:
 
     holds_loss = True
 
-    def __init__(self, model: nn.Module, precision: Precision, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, precision: Precision, device: torch.device,
+                 timer: StepTimer | NullStepTimer | None = None) -> None:
         self.model = model
         self.precision = precision
         self.device = device
+        self.timer = timer or NullStepTimer()
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         accum = len(micro_batches)
@@ -55,9 +58,10 @@ class MicroBatchStep:
             # Gradients are synchronised only on the last micro-step: the others just
             # accumulate locally, which is what makes accumulation cheap.
             set_gradient_sync(self.model, index == accum - 1)
-            with self.precision.autocast():
+            with self.timer.phase("forward"), self.precision.autocast():
                 loss = next_token_loss(self.model(inputs), targets)
-            self.precision.scaler.scale(loss / accum).backward()
+            with self.timer.backward():
+                self.precision.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
         return loss_sum / accum
 

@@ -21,6 +21,8 @@ from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
 from meshyard.checkpoint.state import tensor_state
 from meshyard.config.sections import TrainConfig
 from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
+from meshyard.comm.hooks import NoCompression
+from meshyard.metrics.meter import StepMeter, null_meter
 from meshyard.metrics.records import Sinks
 from meshyard.data.loader import DataBundle
 from meshyard.train.batching import BatchPlan
@@ -41,6 +43,20 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf loss or gradient norm with ``fault.on_nonfinite = 'stop'``."""
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What all ranks learned from the step's all-reduce."""
+
+    loss: float
+    preempt: bool
+    save_now: bool
+    nonfinite: bool
 
 
 @dataclass
@@ -78,6 +94,9 @@ class Trainer:
         preemption: PreemptionWatcher | NullWatcher,
         runner: StepRunner | None = None,
         extra_state: dict[str, Any] | None = None,
+        meter: StepMeter | None = None,
+        compression: Any = None,
+        on_nonfinite: str = "warn",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -92,7 +111,11 @@ class Trainer:
         self.sinks = sinks
         self.checkpoints = checkpoints
         self.preemption = preemption
-        self.runner = runner or MicroBatchStep(model, precision, device)
+        self.meter = meter or null_meter(device)
+        self.timer = self.meter.timer
+        self.runner = runner or MicroBatchStep(model, precision, device, self.timer)
+        self.compression = compression or NoCompression(None)
+        self.on_nonfinite = on_nonfinite
         self.extra_state = extra_state or {}
         self.progress = TrainProgress()
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -140,18 +163,21 @@ class Trainer:
         self._saved_step = self.progress.step
 
     # steps ----------------------------------------------------------------------
-    def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
-        """One all-reduce per step carries the loss and the control flags every rank must
-        agree on: a preemption signal seen by any rank, and rank 0's clock asking for a
-        time-based checkpoint. Returns (mean loss over ranks, preempt, save now)."""
+    def _agree(self, loss: torch.Tensor) -> "Agreed":
+        """One all-reduce per step carries the loss and the facts every rank must agree
+        on: a preemption signal seen by any rank, rank 0's clock asking for a time-based
+        checkpoint, and whether any rank's loss is not finite."""
+        value = loss.detach().item()
+        finite = math.isfinite(value)
         weight = float(self.runner.holds_loss)
         flags = torch.tensor(
-            [loss.detach().item() * weight, weight, float(self.preemption.requested),
-             float(self.checkpoints.time_due())],
+            [value * weight if finite else 0.0, weight, float(self.preemption.requested),
+             float(self.checkpoints.time_due()), float(not finite)],
             dtype=torch.float64,
         )
         dist.all_reduce(flags)
-        return flags[0].item() / flags[1].item(), flags[2].item() > 0, flags[3].item() > 0
+        mean = flags[0].item() / flags[1].item() if flags[4].item() == 0 else float("nan")
+        return Agreed(mean, flags[2].item() > 0, flags[3].item() > 0, flags[4].item() > 0)
 
     def _mean_of_losses(self, value: torch.Tensor) -> float:
         """Mean of a per-rank loss over the ranks that compute one (gloo has no AVG).
@@ -171,13 +197,18 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
         loss = self.runner.forward_backward(micro_batches)
+        with self.timer.phase("optimizer"):
+            grad_norm = self._optimizer_step()
+        return loss, grad_norm
+
+    def _optimizer_step(self) -> torch.Tensor:
         self.precision.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip)
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss, grad_norm
+        return grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -194,7 +225,8 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures.
 
-        Raises ``Preempted`` after saving when a preemption signal arrived on any rank.
+        Raises ``Preempted`` after saving when a preemption signal arrived on any rank,
+        and ``NonFiniteError`` on a NaN/inf loss or gradient norm with ``on_nonfinite = stop``.
         """
         self.model.train()
         self._train_iter = iter(self.data.train_loader)
@@ -202,43 +234,79 @@ class Trainer:
         self.sinks.display.start(self.progress.step)
         try:
             while self.progress.step < self.cfg.steps:
-                step_start = time.perf_counter()
-                micro_batches = self._next_micro_batches()
-                data_time = time.perf_counter() - step_start
-                lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step(micro_batches)
-                loss_value, preempt, time_save = self._agree(loss)  # also waits for the step to finish
-                step_time = time.perf_counter() - step_start
-                self.progress.step += 1
-                self.progress.tokens_seen += self.tokens_per_step
-                self.progress.losses.append(loss_value)
-                record = {
-                    "step": self.progress.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                    "step_time_s": step_time, "data_time_s": data_time,
-                    "tokens_per_s": self.tokens_per_step / step_time,
-                    "samples_per_s": self.batch.global_batch / step_time,
-                    "tokens_seen": self.progress.tokens_seen, "time": time.time(),
-                }
-                self._last_eval_loss = None
-                if self._should_evaluate():
-                    record["eval_loss"] = self._last_eval_loss = self.evaluate()
-                    best = self.progress.best_eval_loss
-                    self.progress.best_eval_loss = record["eval_loss"] if best is None else min(best, record["eval_loss"])
-                self.checkpoints.poll()
-                record.update(self._checkpoint_figures())
-                self.sinks.record_step(record, local_loss=loss.item())
+                record, preempt, time_save = self._one_step()
                 if preempt:
                     self._stop_for_preemption()
                 if time_save or self.checkpoints.due(self.progress.step):
+                    self.timer.mark("checkpoint")
                     stall_start = time.perf_counter()
                     self.save_checkpoint(eval_loss=record.get("eval_loss"))
                     self._checkpoint_stall = time.perf_counter() - stall_start
             if self.checkpoints.save_final and self._saved_step != self.progress.step:
+                self.timer.mark("checkpoint")
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
             self.checkpoints.wait()
         finally:
             self.sinks.display.stop()
         return self._summary(time.perf_counter() - start)
+
+    def _one_step(self) -> tuple[dict[str, Any], bool, bool]:
+        """Train one step, evaluate if due, record; returns (record, preempt, save now)."""
+        self.meter.start_step()
+        self.timer.mark("data")
+        step_start = time.perf_counter()
+        micro_batches = self._next_micro_batches()
+        data_time = time.perf_counter() - step_start
+        self.timer.add("data", data_time)
+        lr = self.scheduler.get_last_lr()[0]
+        loss, grad_norm = self.train_step(micro_batches)
+        with self.timer.phase("comm", where="sync"):
+            agreed = self._agree(loss)  # also waits for the step to finish
+        step_time = time.perf_counter() - step_start
+        self.progress.step += 1
+        self.progress.tokens_seen += self.tokens_per_step
+        self.progress.losses.append(agreed.loss)
+        record = {
+            "step": self.progress.step, "loss": agreed.loss, "lr": lr, "grad_norm": grad_norm.item(),
+            "step_time_s": step_time, "data_time_s": data_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "samples_per_s": self.batch.global_batch / step_time,
+            "tokens_seen": self.progress.tokens_seen, "time": time.time(),
+        }
+        if self.precision.scaler.is_enabled():
+            record["loss_scale"] = self.precision.scaler.get_scale()
+        record.update(self.meter.finish_step(step_time, self.tokens_per_step))
+        record.update(self.compression.take_step_stats())
+        if agreed.nonfinite or not math.isfinite(record["grad_norm"]):
+            record["nonfinite"] = self._report_nonfinite(loss, record["grad_norm"])
+        if self.meter.gather_due(self.progress.step):
+            record.update(self.meter.gather() or {})
+        self._last_eval_loss = None
+        if self._should_evaluate():
+            self.timer.mark("eval")
+            record["eval_loss"] = self._last_eval_loss = self.evaluate()
+            best = self.progress.best_eval_loss
+            self.progress.best_eval_loss = record["eval_loss"] if best is None else min(best, record["eval_loss"])
+        self.checkpoints.poll()
+        record.update(self._checkpoint_figures())
+        self.sinks.record_step(record, local_loss=loss.item())
+        return record, agreed.preempt, agreed.save_now
+
+    def _report_nonfinite(self, loss: torch.Tensor, grad_norm: float) -> list[dict[str, Any]]:
+        """Name the ranks with a NaN/inf loss (rare path: one object all-gather)."""
+        local = [] if math.isfinite(loss.item()) else [{"rank": dist.get_rank(), "what": "loss",
+                                                         "value": str(loss.item())}]
+        gathered: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, local)
+        found = [entry for entries in gathered for entry in entries]
+        if not math.isfinite(grad_norm):
+            found.append({"rank": "all", "what": "gradient norm", "value": str(grad_norm)})
+        where = "; ".join(f"{e['what']} {e['value']} on rank {e['rank']}" for e in found)
+        self.sinks.warn(f"non-finite values at step {self.progress.step}: {where}")
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"non-finite values at step {self.progress.step}: {where}; stopping "
+                                 "(fault.on_nonfinite = 'stop'). Lower optim.lr, check the data, or use fp32.")
+        return found
 
     def _checkpoint_figures(self) -> dict[str, Any]:
         """How long the last save held up training, and saves that finished since the last

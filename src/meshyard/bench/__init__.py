@@ -1,0 +1,1 @@
+"""Benchmarks as product features: collectives, scaling over workers, gradient compression."""

@@ -1,0 +1,73 @@
+"""Optional sinks on rank 0: a Prometheus endpoint and TensorBoard event files.
+
+Both receive the same step records as metrics.jsonl. Per-rank figures (gathered every
+``metrics.gather_every`` steps) carry a ``rank`` label in Prometheus and a ``rank<N>/``
+tag prefix in TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "samples_per_s",
+           "mfu", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s", "rss_bytes",
+           "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "comm_bytes", "compression_ratio")
+
+
+class PrometheusExporter:
+    """Serves ``meshyard_<figure>`` gauges on http://HOST:PORT/metrics (loopback by default)."""
+
+    def __init__(self, run_dir: Path, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self._gauges = {name: Gauge(f"meshyard_{name}", f"meshyard step figure {name}", registry=self.registry)
+                        for name in SCALARS}
+        self._gauges["step"] = Gauge("meshyard_step", "last completed optimizer step", registry=self.registry)
+        self._rank_gauges: dict[str, Any] = {}
+        self._gauge_cls = Gauge
+        self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.url = f"http://{host}:{self.server.server_port}/metrics"
+        # Where a scraper (or a test) finds the endpoint when the port was chosen by the OS.
+        (run_dir / "prometheus.json").write_text(json.dumps({"url": self.url}))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._gauges["step"].set(record["step"])
+        for name in SCALARS:
+            if isinstance(record.get(name), (int, float)):
+                self._gauges[name].set(record[name])
+        for field, values in record.get("ranks", {}).items():
+            gauge = self._rank_gauges.get(field)
+            if gauge is None:
+                gauge = self._rank_gauges[field] = self._gauge_cls(
+                    f"meshyard_rank_{field}", f"per-rank mean of {field} over the last window", ["rank"],
+                    registry=self.registry)
+            for rank, value in enumerate(values):
+                gauge.labels(rank=str(rank)).set(value)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class TensorBoardExporter:
+    """Writes scalars to ``<run dir>/tensorboard`` (view with ``tensorboard --logdir``)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for name in SCALARS:
+            if isinstance(record.get(name), (int, float)):
+                self.writer.add_scalar(name, record[name], step)
+        for field, values in record.get("ranks", {}).items():
+            for rank, value in enumerate(values):
+                self.writer.add_scalar(f"rank{rank}/{field}", value, step)
+
+    def close(self) -> None:
+        self.writer.close()

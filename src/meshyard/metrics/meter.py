@@ -1,0 +1,61 @@
+"""Everything measured about a step besides loss and learning rate, in one place.
+
+The Trainer calls ``start_step``/``finish_step`` around each step and reads phases
+through ``timer``; the meter turns that into the record's figures: the time breakdown,
+throughput and MFU, memory, and (every few steps) every rank's figures with stragglers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshyard.metrics.memory import MemoryProbe
+from meshyard.metrics.ranks import RankWindow
+from meshyard.metrics.timing import NullStepTimer, StepTimer
+
+
+class StepMeter:
+    def __init__(self, timer: StepTimer | NullStepTimer, memory: MemoryProbe, window: RankWindow | None,
+                 flops_per_token: float | None, peak_flops: float | None, world_size: int) -> None:
+        self.timer = timer
+        self.memory = memory
+        self.window = window
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops  # per rank
+        self.world_size = world_size
+
+    def start_step(self) -> None:
+        self.timer.start_step()
+
+    def finish_step(self, step_time: float, tokens: int) -> dict[str, Any]:
+        """Figures of the step just finished (after its synchronisation)."""
+        figures: dict[str, Any] = self.timer.finish_step()
+        if figures:
+            # Whatever the phases do not cover (logging, checkpoint bookkeeping, Python).
+            figures["other_s"] = max(0.0, step_time - sum(figures.values()))
+            figures["busy_s"] = step_time - figures["comm_s"]
+        figures.update(self.memory.read())
+        if self.flops_per_token and self.peak_flops:
+            achieved = self.flops_per_token * tokens / step_time
+            figures["model_tflops"] = achieved / 1e12
+            figures["mfu"] = achieved / (self.peak_flops * self.world_size)
+        if self.window is not None:
+            self.window.add({**figures, "step_time_s": step_time, "memory_bytes": _memory_of(figures)})
+        return figures
+
+    def gather_due(self, step: int) -> bool:
+        return self.window is not None and self.window.due(step)
+
+    def gather(self) -> dict[str, Any] | None:
+        assert self.window is not None
+        return self.window.gather()
+
+
+def _memory_of(figures: dict[str, Any]) -> float:
+    return float(figures.get("gpu_peak_reserved_bytes", figures.get("rss_bytes", 0)))
+
+
+def null_meter(device: torch.device) -> StepMeter:
+    return StepMeter(NullStepTimer(), MemoryProbe(device), None, None, None, 1)

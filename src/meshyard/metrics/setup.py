@@ -1,0 +1,45 @@
+"""Building the measurement pieces of a run from its ``[metrics]`` section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from meshyard.config.sections import MetricsConfig
+from meshyard.metrics.exporters import PrometheusExporter, TensorBoardExporter
+from meshyard.metrics.memory import MemoryProbe
+from meshyard.metrics.meter import StepMeter
+from meshyard.metrics.ranks import RankWindow
+from meshyard.metrics.throughput import device_peak, training_flops_per_token
+from meshyard.metrics.timing import CommTracker, NullStepTimer, StepTimer
+
+
+def build_timer(cfg: MetricsConfig, device: torch.device, mark: Callable[[str], None]) -> StepTimer | NullStepTimer:
+    if not cfg.breakdown:
+        return NullStepTimer(mark)
+    return StepTimer(device, CommTracker(device.type == "cuda"), mark)
+
+
+def build_meter(cfg: MetricsConfig, timer: StepTimer | NullStepTimer, model: nn.Module, seq_len: int,
+                device: torch.device, dtype: torch.dtype, world_size: int) -> tuple[StepMeter, dict[str, Any]]:
+    """The step meter, and facts for run.json (FLOPs per token, peak and its source)."""
+    flops = peak = None
+    facts: dict[str, Any] = {}
+    if cfg.mfu:
+        flops = training_flops_per_token(model, seq_len)
+        peak, source = device_peak(device, dtype)
+        facts = {"training_flops_per_token": flops, "peak_flops_per_rank": peak, "peak_source": source}
+    window = RankWindow(cfg.gather_every, cfg.straggler_factor) if cfg.gather_every else None
+    return StepMeter(timer, MemoryProbe(device), window, flops, peak, world_size), facts
+
+
+def build_exporters(cfg: MetricsConfig, run_dir: Path) -> list[Any]:
+    exporters: list[Any] = []
+    if cfg.prometheus:
+        exporters.append(PrometheusExporter(run_dir, cfg.prometheus_host, cfg.prometheus_port))
+    if cfg.tensorboard:
+        exporters.append(TensorBoardExporter(run_dir))
+    return exporters

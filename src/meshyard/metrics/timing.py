@@ -1,0 +1,152 @@
+"""Where each step's time goes: data, forward, backward, exposed communication, optimizer.
+
+On CPU the phases are wall-clock intervals; on GPU they are CUDA events, read once per
+step after the step's own synchronisation (the loss all-reduce), so timing adds no sync.
+
+Communication overlapped with backward costs nothing and is not counted; what is counted
+is the *exposed* part. Under DDP a comm hook records when each gradient bucket is handed
+to the network and when its reduction completes: backward compute ends when the last
+bucket is launched, and the wait from then until backward returns is exposed
+communication. The per-step loss all-reduce is exposed communication too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("data", "forward", "backward", "comm", "optimizer")
+
+
+class CommTracker:
+    """Wraps a DDP comm hook to mark bucket launches: a wall-clock time on CPU, a CUDA
+    event on the compute stream on GPU (in stream order: when the bucket's gradients exist)."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.last_launch: float | None = None
+        self.last_launch_event: Any = None
+        self.buckets = 0
+
+    def reset(self) -> None:
+        self.last_launch, self.last_launch_event, self.buckets = None, None, 0
+
+    def wrap(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future]) -> Callable:
+        def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+            if self.cuda:
+                self.last_launch_event = torch.cuda.Event(enable_timing=True)
+                self.last_launch_event.record()
+            else:
+                self.last_launch = time.perf_counter()
+            self.buckets += 1
+            return hook(state, bucket)
+
+        # DDP checks the hook's annotations as objects; this module's are strings.
+        timed_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                      "return": torch.futures.Future[torch.Tensor]}
+        return timed_hook
+
+
+def default_allreduce_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP's own averaging all-reduce, as a Python hook so it can be timed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(state, bucket)
+
+
+class StepTimer:
+    """Accumulates phase durations within one step; ``NullStepTimer`` when switched off."""
+
+    enabled = True
+
+    def __init__(self, device: torch.device, comm: CommTracker | None = None,
+                 mark: Callable[[str], None] = lambda where: None) -> None:
+        self.mark = mark  # tells the hang watchdog where this rank is
+        self.cuda = device.type == "cuda"
+        self.comm = comm or CommTracker(self.cuda)
+        self._totals: dict[str, float] = {}
+        self._events: list[tuple[str, Any, Any]] = []
+        self._exposed_events: list[tuple[Any, Any]] = []
+
+    def start_step(self) -> None:
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._events.clear()
+        self._exposed_events.clear()
+        self.comm.reset()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self._totals[phase] += seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str, where: str | None = None) -> Iterator[None]:
+        """Time ``name``; ``where`` is the position reported to the watchdog (default: name)."""
+        self.mark(where or name)
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self._events.append((name, begin, end))
+            return
+        start = time.perf_counter()
+        yield
+        self._totals[name] += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Backward, split into compute and the exposed wait for the last gradient buckets.
+        (Gradients of accumulation micro-steps are not communicated; nothing is split off.)"""
+        launches_before = self.comm.buckets
+        with self.phase("backward"):
+            yield
+        if self.comm.buckets == launches_before:
+            return  # no gradient was communicated (accumulation micro-step, or no DDP)
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._exposed_events.append((self.comm.last_launch_event, end))
+        elif self.comm.last_launch is not None:
+            exposed = max(0.0, time.perf_counter() - self.comm.last_launch)
+            self._totals["backward"] -= exposed
+            self._totals["comm"] += exposed
+
+    def finish_step(self) -> dict[str, float]:
+        """Seconds per phase for the step just finished (call after the step synchronised)."""
+        for name, begin, end in self._events:
+            self._totals[name] += begin.elapsed_time(end) / 1000.0
+        for launch, end in self._exposed_events:
+            exposed = max(0.0, launch.elapsed_time(end) / 1000.0)
+            self._totals["backward"] -= exposed
+            self._totals["comm"] += exposed
+        return {f"{phase}_s": value for phase, value in self._totals.items()}
+
+
+class NullStepTimer:
+    """Measurement off: no figures are reported; positions still reach the watchdog."""
+
+    enabled = False
+    comm = None
+
+    def __init__(self, mark: Callable[[str], None] = lambda where: None) -> None:
+        self.mark = mark
+
+    def start_step(self) -> None: ...
+
+    def add(self, phase: str, seconds: float) -> None: ...
+
+    @contextlib.contextmanager
+    def phase(self, name: str, where: str | None = None) -> Iterator[None]:
+        self.mark(where or name)
+        yield
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        self.mark("backward")
+        yield
+
+    def finish_step(self) -> dict[str, float]:
+        return {}
