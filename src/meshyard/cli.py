@@ -8,6 +8,7 @@ import sys
 from meshyard.bench import cli as bench_cli
 from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
+from meshyard.doctor import cli as doctor_cli
 from meshyard.config.load import ConfigError, group_override_tokens, load_config
 from meshyard.config.validate import load_and_validate
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(subparsers)
     checkpoint_cli.add_parser(subparsers)
     plan_cli.add_parser(subparsers)
+    doctor_cli.add_parsers(subparsers)
     bench_cli.add_bench_parser(subparsers)
     return parser
 
@@ -100,6 +102,8 @@ COMMANDS = {
     "config": _cmd_config,
     "ckpt": _without_overrides(checkpoint_cli.main),
     "plan": _without_overrides(plan_cli.main),
+    "doctor": _without_overrides(doctor_cli.doctor_main),
+    "report": _without_overrides(doctor_cli.report_main),
     "bench": bench_cli.run_bench,
 }
 

@@ -1,0 +1,61 @@
+"""``meshyard doctor RUN_DIR`` and ``meshyard report RUN_DIR``: parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from meshyard.doctor.diagnose import DoctorError, diagnose
+from meshyard.doctor.report import write_report
+
+EXIT_BAD_INPUT = 2
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    doctor = subparsers.add_parser(
+        "doctor", help="name a run's bottleneck with evidence and advice",
+        description="Read a run directory's records and say whether the run is data-bound, communication-bound, "
+        "compute-bound, memory-bound, held back by a straggler, or healthy; with the evidence and the config keys "
+        "to change.")
+    doctor.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    doctor.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    report = subparsers.add_parser(
+        "report", help="write a self-contained HTML page with plots and the diagnosis",
+        description="Write RUN_DIR/report.html (or --out): loss and eval curves, stacked step-time breakdown, "
+        "throughput and MFU, per-rank busy times, memory, and the doctor's diagnosis.")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=Path, help="output file (default: RUN_DIR/report.html)")
+
+
+def doctor_main(args: argparse.Namespace) -> int:
+    try:
+        diagnosis = diagnose(args.run_dir)
+    except (DoctorError, OSError, ValueError) as exc:
+        print(f"meshyard doctor: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(diagnosis.to_dict(), indent=2))
+        return 0
+    console = Console()
+    console.print(f"[bold]verdict: {diagnosis.verdict}[/bold]  ({diagnosis.evidence.steps} steps, {args.run_dir})")
+    for finding in diagnosis.findings:
+        console.print(f"\n[bold]{finding.verdict}[/bold]")
+        for line in finding.evidence:
+            console.print(f"  evidence: {line}", highlight=False)
+        for line in finding.advice:
+            console.print(f"  change:   {line}", highlight=False)
+    return 0
+
+
+def report_main(args: argparse.Namespace) -> int:
+    try:
+        out = write_report(args.run_dir, args.out)
+    except (DoctorError, OSError, ValueError) as exc:
+        print(f"meshyard report: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"meshyard: report written to {out}")
+    return 0

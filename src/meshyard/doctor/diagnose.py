@@ -1,0 +1,211 @@
+"""Reading a run's records and naming its bottleneck, with evidence and advice.
+
+Inputs are the run directory's ``run.json`` (layout, capacity, FLOPs facts),
+``config.toml`` and ``metrics.jsonl`` (per-step breakdown, and every
+``metrics.gather_every`` steps each rank's figures). The first steps are skipped:
+they carry start-up costs (allocator warm-up, first collectives, compilation).
+
+Verdicts, checked in this order because an earlier cause distorts the later figures
+(a straggler inflates everyone's communication wait, a starved loader makes compute look
+idle): straggler, data-bound, communication-bound, memory-bound, compute-bound, healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshyard.config.load import load_config
+from meshyard.config.sections import Config
+from meshyard.metrics.records import read_metrics
+
+PHASES = ("data", "forward", "backward", "comm", "optimizer")
+DATA_BOUND_SHARE = 0.20
+COMM_BOUND_SHARE = 0.25
+MEMORY_BOUND_FRACTION = 0.90
+LOW_MFU = 0.30
+
+
+class DoctorError(ValueError):
+    """The directory is not a meshyard run with step records."""
+
+
+@dataclass
+class Finding:
+    verdict: str
+    evidence: list[str]
+    advice: list[str]
+
+
+@dataclass
+class RunEvidence:
+    """The figures a diagnosis rests on."""
+
+    steps: int
+    shares: dict[str, float]
+    step_time_s: float
+    mfu: float | None
+    memory_fraction: float | None
+    straggler_windows: dict[int, int] = field(default_factory=dict)
+    windows: int = 0
+    busy_by_rank: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    run_dir: Path
+    findings: list[Finding]
+    evidence: RunEvidence
+
+    @property
+    def verdict(self) -> str:
+        return self.findings[0].verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "verdict": self.verdict,
+                "findings": [f.__dict__ for f in self.findings], "evidence": self.evidence.__dict__}
+
+
+def load_run(run_dir: Path) -> tuple[Config, dict[str, Any], list[dict[str, Any]]]:
+    if not (run_dir / "metrics.jsonl").exists():
+        raise DoctorError(f"{run_dir} has no metrics.jsonl; give the run directory that 'meshyard run' printed")
+    records = read_metrics(run_dir)
+    if not records:
+        raise DoctorError(f"{run_dir}/metrics.jsonl is empty: the run recorded no step yet")
+    facts = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    config = load_config(run_dir / "config.toml") if (run_dir / "config.toml").exists() else Config()
+    return config, facts, records
+
+
+def gather_evidence(facts: dict[str, Any], records: list[dict[str, Any]]) -> RunEvidence:
+    steady = records[max(1, len(records) // 10):] or records  # skip start-up steps
+    timed = [r for r in steady if "forward_s" in r]
+    if not timed:
+        raise DoctorError("the run was recorded without a step-time breakdown (metrics.breakdown = false); "
+                          "run it again with the default metrics settings")
+    shares = {p: statistics.mean(r[f"{p}_s"] / r["step_time_s"] for r in timed) for p in PHASES}
+    mfus = [r["mfu"] for r in timed if "mfu" in r]
+    evidence = RunEvidence(steps=len(records), shares=shares,
+                           step_time_s=statistics.median(r["step_time_s"] for r in timed),
+                           mfu=statistics.mean(mfus) if mfus else None,
+                           memory_fraction=_memory_fraction(facts, timed))
+    gathered = [r for r in steady if "ranks" in r]
+    evidence.windows = len(gathered)
+    for record in gathered:
+        for rank in record.get("stragglers", []):
+            evidence.straggler_windows[rank] = evidence.straggler_windows.get(rank, 0) + 1
+    if gathered:
+        busy = [r["ranks"]["busy_s"] for r in gathered]
+        evidence.busy_by_rank = [statistics.mean(window[rank] for window in busy) for rank in range(len(busy[0]))]
+    return evidence
+
+
+def _memory_fraction(facts: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
+    capacity = facts.get("memory_capacity_bytes")
+    if not capacity:
+        return None
+    if any("gpu_peak_reserved_bytes" in r for r in records):
+        return max(r.get("gpu_peak_reserved_bytes", 0) for r in records) / capacity
+    # On CPU the ranks of a host share its memory.
+    peak = max(r.get("peak_rss_bytes", 0) for r in records)
+    return peak * facts.get("local_world_size", 1) / capacity
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def diagnose(run_dir: str | Path) -> Diagnosis:
+    run_dir = Path(run_dir)
+    config, facts, records = load_run(run_dir)
+    ev = gather_evidence(facts, records)
+    findings = [f for f in (_straggler(ev, config), _data(ev, config), _comm(ev, config, facts),
+                            _memory(ev, config), _compute(ev, config)) if f]
+    if not findings:
+        findings = [Finding("healthy", [
+            f"compute (forward + backward + optimizer) takes {_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} "
+            f"of the {ev.step_time_s * 1000:.0f} ms step; data {_pct(ev.shares['data'])}, exposed communication "
+            f"{_pct(ev.shares['comm'])}" + (f"; MFU {_pct(ev.mfu)}" if ev.mfu is not None else "")],
+            ["nothing stands out; for more throughput per device raise train.micro_batch while memory allows"])]
+    return Diagnosis(run_dir, findings, ev)
+
+
+def _straggler(ev: RunEvidence, cfg: Config) -> Finding | None:
+    if not ev.straggler_windows or not ev.windows:
+        return None
+    rank, count = max(ev.straggler_windows.items(), key=lambda item: item[1])
+    if count < max(1, ev.windows // 3):
+        return None
+    median = statistics.median(ev.busy_by_rank)
+    return Finding("straggler", [
+        f"rank {rank} was the slowest in {count} of {ev.windows} gathered windows: {ev.busy_by_rank[rank] * 1000:.0f} ms "
+        f"busy per step against a median of {median * 1000:.0f} ms (threshold x{cfg.metrics.straggler_factor})",
+        f"the other ranks wait for it: exposed communication is {_pct(ev.shares['comm'])} of the step",
+    ], [
+        f"check the host and device of rank {rank}: throttling (nvidia-smi -q -d PERFORMANCE), other jobs, a slower "
+        "GPU model, or a slower disk feeding its data",
+        f"if its data loading is slow, raise data.num_workers (now {cfg.data.num_workers}) on that node",
+        "restart the job without that node (fault.max_restarts lets the elastic agent resume from the checkpoint)",
+    ])
+
+
+def _data(ev: RunEvidence, cfg: Config) -> Finding | None:
+    if ev.shares["data"] < DATA_BOUND_SHARE:
+        return None
+    return Finding("data-bound", [
+        f"waiting for data takes {_pct(ev.shares['data'])} of the {ev.step_time_s * 1000:.0f} ms step "
+        f"(threshold {_pct(DATA_BOUND_SHARE)})",
+    ], [
+        f"raise data.num_workers (now {cfg.data.num_workers}) so batches are prepared in parallel processes",
+        f"raise data.prefetch_factor (now {cfg.data.prefetch_factor}) so more batches are ready ahead",
+        "tokenize ahead of time: data.source = 'tokens' reads memory-mapped token files with no per-sample work",
+    ])
+
+
+def _comm(ev: RunEvidence, cfg: Config, facts: dict[str, Any]) -> Finding | None:
+    if ev.shares["comm"] < COMM_BOUND_SHARE:
+        return None
+    advice = [f"accumulate more: train.grad_accum (now {facts.get('grad_accum', cfg.train.grad_accum)}) syncs "
+              "gradients once per optimizer step, so fewer syncs per sample"]
+    if cfg.parallel.strategy in ("ddp", "zero1"):
+        advice += [f"larger gradient buckets overlap better: parallel.bucket_mb (now {cfg.parallel.bucket_mb})",
+                   f"compress gradients: comm.compression = 'bf16' (2x less traffic) or 'powersgd' (now "
+                   f"'{cfg.comm.compression}'; see meshyard bench compression)"]
+    else:
+        advice += ["keep gathered weights between forward and backward: parallel.reshard_after_forward = false "
+                   "(ZeRO-2, one all-gather less per step)",
+                   "across nodes, shard within a node and replicate across: parallel.dp_replicate = number of nodes (HSDP)"]
+    return Finding("communication-bound", [
+        f"exposed (not overlapped) communication takes {_pct(ev.shares['comm'])} of the step "
+        f"(threshold {_pct(COMM_BOUND_SHARE)}); strategy {cfg.parallel.strategy} on {facts.get('world_size', '?')} ranks",
+    ], advice)
+
+
+def _memory(ev: RunEvidence, cfg: Config) -> Finding | None:
+    if ev.memory_fraction is None or ev.memory_fraction < MEMORY_BOUND_FRACTION:
+        return None
+    return Finding("memory-bound", [
+        f"peak memory reaches {_pct(ev.memory_fraction)} of capacity (threshold {_pct(MEMORY_BOUND_FRACTION)}): the "
+        "allocator is close to failing, and a larger batch will not fit",
+    ], [
+        "shard model states: parallel.strategy = 'fsdp' (or 'zero1' to shard only the optimizer)",
+        "recompute activations in backward: parallel.ac = 'selective' or 'full'",
+        f"halve train.micro_batch (now {cfg.train.micro_batch or 'derived'}) and double train.grad_accum: same "
+        "global batch, less activation memory",
+    ])
+
+
+def _compute(ev: RunEvidence, cfg: Config) -> Finding | None:
+    if ev.mfu is None or ev.mfu >= LOW_MFU:
+        return None
+    return Finding("compute-bound", [
+        f"compute dominates ({_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} of the "
+        f"step) but reaches only {_pct(ev.mfu)} of the device's peak FLOP/s",
+    ], [
+        f"give the device larger matmuls: raise train.micro_batch (now {cfg.train.micro_batch or 'derived'})",
+        f"compute in bf16 on GPUs that support it: precision.dtype = 'bf16' (now '{cfg.precision.dtype}')",
+        "if activation checkpointing is on and memory allows, turn it off: parallel.ac = 'none'",
+    ])
