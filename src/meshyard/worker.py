@@ -36,6 +36,7 @@ from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.parallelize import parallelize
+from meshyard.train.pipeline_step import build_step_runner
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.distributed import Runtime, init_distributed, shutdown_distributed
 from meshyard.runtime.environment import detect_environment
@@ -172,7 +173,8 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     trainer = Trainer(model, optimizer, scheduler, precision, data, batch, cfg.train, runtime.device,
                       dp_rank, cfg.data.seq_len, sinks, checkpoints, watcher,
                       extra_state={"comm": compression} if compression.state_dict() else None,
-                      meter=meter, compression=compression, on_nonfinite=cfg.fault.on_nonfinite)
+                      meter=meter, compression=compression, on_nonfinite=cfg.fault.on_nonfinite,
+                      runner=build_step_runner(model, mesh, cfg.parallel, precision, runtime.device))
     point = _agree(lambda: choose_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report),
                    runtime.is_main)
     restored_rng = False

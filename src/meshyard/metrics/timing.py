@@ -64,7 +64,7 @@ class StepTimer:
     enabled = True
 
     def __init__(self, device: torch.device, comm: CommTracker | None = None,
-                 mark: Callable[[str], None] = lambda where: None) -> None:
+                 mark: Callable[..., None] = lambda where, step=None: None) -> None:
         self.mark = mark  # tells the hang watchdog where this rank is
         self.cuda = device.type == "cuda"
         self.comm = comm or CommTracker(self.cuda)
@@ -131,7 +131,7 @@ class NullStepTimer:
     enabled = False
     comm = None
 
-    def __init__(self, mark: Callable[[str], None] = lambda where: None) -> None:
+    def __init__(self, mark: Callable[..., None] = lambda where, step=None: None) -> None:
         self.mark = mark
 
     def start_step(self) -> None: ...

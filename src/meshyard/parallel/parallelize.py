@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
@@ -11,7 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshyard.comm.hooks import GradientCompression
 from meshyard.comm.registry import attach_compression
 from meshyard.config.sections import CommConfig, ParallelConfig
+from meshyard.parallel.activation_checkpoint import apply_ac
 from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
+from meshyard.parallel.pipeline import split_model
+from meshyard.parallel.tensor_parallel import apply_tp
 from meshyard.runtime.parallel_dims import ParallelDims
 
 
@@ -39,12 +43,27 @@ def parallelize(
 ) -> Parallelized:
     """Apply the configured parallelism to ``model`` (already on its device).
 
-    Order: (tensor parallel, activation checkpointing, compile: later) then data
-    parallelism, outermost, because DDP and FSDP must see the final module structure;
-    the gradient-compression hook goes on the DDP module last. Returns the module to
-    train (``unwrap`` recovers the plain module from it) and the compression state.
+    Order: pipeline split (each rank keeps its stages; every stage then goes through the
+    rest as a model of its own), tensor parallel (parameters become DTensors on the
+    ``tp`` mesh), activation checkpointing (wraps block forwards, so it sees the TP
+    modules), (compile: later), then data parallelism, outermost, because DDP and FSDP
+    must see the final module structure (FSDP over TP DTensors gives 2-D FSDP x TP); the
+    gradient-compression hook goes on the DDP module last. Returns the module to train
+    (``unwrap`` recovers the plain module from it; under pipelining a ``PipelinedModel``
+    holding this rank's stages) and the compression state.
     """
     comm = comm or CommConfig()
+    if dims.pp > 1:
+        # Pipeline split first: this rank keeps only its stages, and each stage is then
+        # parallelized like a whole model (TP, AC, FSDP/DDP) on the rest of the mesh.
+        pipelined = split_model(model, dims.pp, mesh["pp"].get_local_rank(), cfg.pp_virtual_stages, cfg.pp_split)
+        stage_dims = dataclasses.replace(dims, pp=1, world_size=dims.world_size // dims.pp)
+        pipelined.wrap_stages(lambda stage: parallelize(stage, stage_dims, mesh, cfg, compute_dtype,
+                                                        reduce_fp32).model)
+        return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper))
+    if dims.tp > 1:
+        model = apply_tp(model, mesh["tp"], cfg.sequence_parallel)
+    model = apply_ac(model, cfg.ac, cfg.ac_every)
     if cfg.strategy == "fsdp":
         # HSDP: replicate over dp_replicate and shard over dp_shard in one 2-D mesh.
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]

@@ -30,16 +30,24 @@ from meshyard.train.precision import Precision
 from meshyard.train.step import Batch, MicroBatchStep, StepRunner
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
+                   stage_group: dist.ProcessGroup | None = None, skip: list[nn.Parameter] | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients (clipped to ``max_norm`` when it is > 0).
 
-    Sharded (DTensor) gradients give a partial norm per rank; ``full_tensor`` reduces it
-    so every rank clips by the norm of the whole model, not of its shard.
+    Sharded (DTensor: FSDP, TP) gradients give a partial norm per rank; ``full_tensor``
+    reduces it so every rank clips by the norm of the whole model, not of its shard.
+    Under pipelining each rank holds some stages: the squared norms are summed over
+    ``stage_group``, leaving out ``skip`` (a tied weight's second copy, counted once).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    skipped = {id(p) for p in skip or ()}
+    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skipped]
     total = torch.nn.utils.get_total_norm(grads)
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if stage_group is not None:
+        squared = total.detach().double() ** 2
+        dist.all_reduce(squared, group=stage_group)
+        total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
@@ -203,7 +211,9 @@ class Trainer:
 
     def _optimizer_step(self) -> torch.Tensor:
         self.precision.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip)
+        # A pipeline runner names the group its stages span and any parameter counted twice.
+        grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip, getattr(self.runner, "grad_norm_group", None),
+                                   getattr(self.runner, "grad_norm_skip", None))
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -253,7 +263,7 @@ class Trainer:
     def _one_step(self) -> tuple[dict[str, Any], bool, bool]:
         """Train one step, evaluate if due, record; returns (record, preempt, save now)."""
         self.meter.start_step()
-        self.timer.mark("data")
+        self.timer.mark("data", self.progress.step + 1)  # the step this rank is working on
         step_start = time.perf_counter()
         micro_batches = self._next_micro_batches()
         data_time = time.perf_counter() - step_start

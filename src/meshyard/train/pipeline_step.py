@@ -1,0 +1,159 @@
+"""Forward and backward of one optimizer step through a pipeline schedule.
+
+Batch arithmetic: each of the step's ``grad_accum`` micro-batches (``train.micro_batch``
+samples, exactly as without pipelining) runs through one pass of the schedule, which
+cuts it into ``parallel.microbatches`` pipeline micro-batches. Gradients of the passes
+add up, and every micro-batch's loss is scaled by ``1 / (microbatches x grad_accum)``,
+so the gradient is that of the mean loss over the whole per-rank batch: the same model
+as without pipelining, whatever the split.
+
+Only the last stage sees the loss (``holds_loss``); the Trainer averages the loss over
+those ranks. Each step also measures, per rank, the time its stages spent computing
+(forward and backward chunks) against the wall time of the schedule: the rest is the
+pipeline bubble plus communication waits, reported beside the schedule's theoretical
+bubble ``(p - 1) / (m + p - 1)`` (divided by the virtual stages for interleaving).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
+
+from meshyard.config.sections import ParallelConfig
+from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads, tied_weight_group
+from meshyard.train.precision import Precision
+from meshyard.train.step import Batch, next_token_loss
+
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "zerobubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a rank in a synchronous schedule: (p - 1) / (v m + p - 1)."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+class _ComputeClock:
+    """Adds up the time a stage spends in its forward and backward chunks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, stage: PipelineStage) -> None:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return run
+
+
+class PipelineStep:
+    """Step runner for pipelined models (``meshyard.train.step.StepRunner``)."""
+
+    def __init__(self, model: PipelinedModel, pp_group: dist.ProcessGroup, schedule: str, microbatches: int,
+                 precision: Precision, device: torch.device, tied_group: dist.ProcessGroup | None = None) -> None:
+        self.model = model
+        self.precision = precision
+        self.device = device
+        self.microbatches = microbatches
+        self.pp_group = pp_group
+        self.pp = dist.get_world_size(pp_group)
+        self.virtual_stages = len(model.stages)
+        self.holds_loss = model.has_last
+        self.tied_group = tied_group
+        self.clock = _ComputeClock()
+        stages = []
+        for index, module in model.stages:
+            stage = PipelineStage(module, index, model.n_stages, device, group=pp_group)
+            self.clock.wrap(stage)
+            stages.append(stage)
+        self._loss_scale = 1.0
+        cls = SCHEDULES[schedule]
+        # Gradients are scaled in the loss (not by the schedule) so that several passes
+        # per optimizer step accumulate correctly.
+        if cls in (ScheduleGPipe, Schedule1F1B):
+            self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+        else:
+            self.schedule = cls(stages, microbatches, loss_fn=self._loss, scale_grads=False)
+        self._stats: dict[str, float] = {}
+
+    @property
+    def grad_norm_group(self) -> dist.ProcessGroup:
+        """Gradient norms are summed over the pipeline stages before clipping."""
+        return self.pp_group
+
+    @property
+    def grad_norm_skip(self) -> list[torch.nn.Parameter]:
+        """Parameters counted on another stage (the tied head's copy)."""
+        return self.model.norm_duplicates()
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(logits, targets) * self._loss_scale
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        """One pass of the schedule; returns the mean unscaled loss (0 off the last stage)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.model.has_first else ()
+        target = targets if self.holds_loss else None
+        with self.precision.autocast():
+            if train:
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                self.schedule.eval(*args, target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / (self._loss_scale * len(losses))
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        accum = len(micro_batches)
+        self._loss_scale = 1.0 / (self.microbatches * accum)
+        start, compute_start = time.perf_counter(), self.clock.seconds
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in micro_batches:
+            loss_sum += self._run(inputs, targets, train=True)
+        sync_tied_grads(self.model, self.tied_group)
+        wall = time.perf_counter() - start
+        compute = self.clock.seconds - compute_start
+        self._stats = {
+            "pp_compute_s": compute, "pp_wall_s": wall,
+            "pp_idle_fraction": max(0.0, 1.0 - compute / wall) if wall > 0 else 0.0,
+            "pp_bubble_theory": theoretical_bubble(self.pp, self.microbatches, self.virtual_stages),
+        }
+        return loss_sum / accum
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self._loss_scale = 1.0
+        return self._run(inputs, targets, train=False)
+
+    def take_step_stats(self) -> dict[str, float]:
+        """This rank's pipeline figures of the last step (measured idle share vs theory)."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+
+def build_step_runner(model: torch.nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precision: Precision,
+                      device: torch.device) -> PipelineStep | None:
+    """The step runner a parallelized model needs: a ``PipelineStep`` for a pipelined
+    model, None (the Trainer's default micro-batch runner) otherwise."""
+    if not isinstance(model, PipelinedModel):
+        return None
+    tied_group = tied_weight_group(mesh) if model.tied else None
+    return PipelineStep(model, mesh["pp"].get_group(), cfg.pp_schedule, cfg.microbatches or cfg.pp,
+                        precision, device, tied_group)
