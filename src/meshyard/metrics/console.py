@@ -27,22 +27,25 @@ class ProgressDisplay:
             return
         self._progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[split]}"),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
             console=self.console, transient=False,
         )
         self._progress.start()
-        self._task = self._progress.add_task("train", total=self.total, completed=first_step, loss=float("nan"), tps=0.0)
+        self._task = self._progress.add_task("train", total=self.total, completed=first_step, loss=float("nan"),
+                                             tps=0.0, split="")
 
     def update(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=record["loss"], tps=record["tokens_per_s"])
+            self._progress.update(self._task, completed=step, loss=record["loss"], tps=record["tokens_per_s"],
+                                  split=breakdown(record))
         elif step % self.log_every == 0 or step == self.total or step == 1:
             extra = f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+            split = f"  [{breakdown(record)}]" if "forward_s" in record else ""
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {record['loss']:.4f}{extra}  lr {record['lr']:.2e}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step",
+                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step{split}",
                 highlight=False, soft_wrap=True,
             )
 
@@ -59,6 +62,17 @@ class ProgressDisplay:
         for key, value in summary.items():
             table.add_row(key.replace("_", " "), _format(value))
         self.console.print(table)
+
+
+def breakdown(record: dict[str, Any]) -> str:
+    """'data 1% fwd 30% bwd 51% comm 16% opt 2%' of one step (empty when not measured)."""
+    if "forward_s" not in record:
+        return ""
+    total = record["step_time_s"]
+    parts = (("data", "data_s"), ("fwd", "forward_s"), ("bwd", "backward_s"), ("comm", "comm_s"),
+             ("opt", "optimizer_s"))
+    text = " ".join(f"{label} {100 * record[key] / total:.0f}%" for label, key in parts)
+    return text + (f" mfu {100 * record['mfu']:.0f}%" if "mfu" in record else "")
 
 
 def _format(value: Any) -> str:

@@ -1,0 +1,74 @@
+"""Verdicts from synthetic records (each rule in isolation), the report page, the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from meshyard.cli import main
+from meshyard.doctor.diagnose import diagnose
+from meshyard.doctor.report import write_report
+
+
+def fake_run(tmp_path, data=0.05, forward=0.3, backward=0.45, comm=0.1, optimizer=0.1, mfu=0.5, memory=0.3,
+             busy=(0.1, 0.1), stragglers=()):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    capacity = 80 * 2**30
+    (tmp_path / "run.json").write_text(json.dumps({"world_size": 2, "memory_capacity_bytes": capacity,
+                                                   "local_world_size": 1, "grad_accum": 1}))
+    lines = []
+    for step in range(1, 41):
+        record = {"step": step, "loss": 3.0, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_s": 1000.0,
+                  "data_s": 0.1 * data, "forward_s": 0.1 * forward, "backward_s": 0.1 * backward,
+                  "comm_s": 0.1 * comm, "optimizer_s": 0.1 * optimizer, "other_s": 0.0, "mfu": mfu,
+                  "gpu_peak_reserved_bytes": memory * capacity}
+        if step % 10 == 0:
+            record["ranks"] = {"busy_s": list(busy), "step_time_s": [0.1, 0.1]}
+            record["stragglers"] = list(stragglers)
+            record["eval_loss"] = 3.1
+        lines.append(json.dumps(record))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "figures, verdict, advice_key",
+    [
+        ({}, "healthy", "train.micro_batch"),
+        ({"data": 0.3, "forward": 0.2}, "data-bound", "data.num_workers"),
+        ({"comm": 0.4, "backward": 0.2}, "communication-bound", "comm.compression"),
+        ({"memory": 0.95}, "memory-bound", "parallel.ac"),
+        ({"mfu": 0.12}, "compute-bound", "precision.dtype"),
+        ({"busy": (0.1, 0.2), "stragglers": (1,)}, "straggler", "rank 1"),
+    ],
+)
+def test_verdicts(tmp_path, figures, verdict, advice_key):
+    diagnosis = diagnose(fake_run(tmp_path, **figures))
+    assert diagnosis.verdict == verdict
+    assert any(advice_key in line for line in diagnosis.findings[0].advice + diagnosis.findings[0].evidence)
+
+
+def test_straggler_comes_first_and_secondary_findings_stay(tmp_path):
+    diagnosis = diagnose(fake_run(tmp_path, comm=0.4, backward=0.2, busy=(0.1, 0.2), stragglers=(1,)))
+    assert [f.verdict for f in diagnosis.findings] == ["straggler", "communication-bound"]
+
+
+def test_report_is_self_contained_html(tmp_path):
+    out = write_report(fake_run(tmp_path / "run"), tmp_path / "page.html")
+    page = out.read_text()
+    assert page.startswith("<!doctype html>") and "healthy" in page
+    assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{200,}"', page)) == 5
+    assert "http://" not in page and "https://" not in page  # nothing fetched when opened
+
+
+def test_cli(tmp_path, capsys):
+    run_dir = fake_run(tmp_path / "run", data=0.3, forward=0.2)
+    assert main(["doctor", str(run_dir)]) == 0
+    assert "verdict: data-bound" in capsys.readouterr().out
+    assert main(["doctor", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "data-bound"
+    assert main(["report", str(run_dir)]) == 0 and (run_dir / "report.html").exists()
+    assert main(["doctor", str(tmp_path / "nothing")]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err

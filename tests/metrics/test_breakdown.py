@@ -1,0 +1,48 @@
+"""The step-time breakdown adds up, and per-rank figures and stragglers are computed right."""
+
+from __future__ import annotations
+
+import torch
+
+import meshyard
+from meshyard.metrics.ranks import find_stragglers
+from meshyard.metrics.throughput import catalog_peak, training_flops_per_token
+from meshyard.models.gpt import GPT, GPTShape
+
+
+def test_phases_add_up_to_the_step_time(make_config):
+    records = meshyard.run(make_config("--train.steps=8", "--train.grad_accum=2", "--metrics.gather_every=4"),
+                           nproc=2).metrics()
+    for record in records[1:]:
+        parts = sum(record[f"{p}_s"] for p in ("data", "forward", "backward", "comm", "optimizer"))
+        assert abs(parts + record["other_s"] - record["step_time_s"]) < 1e-6
+        assert record["other_s"] < 0.05 * record["step_time_s"] + 0.002, record  # phases cover the step
+        assert record["comm_s"] > 0 and record["forward_s"] > 0 and record["backward_s"] > 0
+        assert 0 < record["mfu"] < 1.5 and record["rss_bytes"] > 0
+    gathered = [r for r in records if "ranks" in r]
+    assert [r["step"] for r in gathered] == [4, 8]
+    assert all(len(values) == 2 for values in gathered[0]["ranks"].values())
+
+
+def test_breakdown_off_reports_no_phases(make_config):
+    records = meshyard.run(make_config("--train.steps=2", "--metrics.breakdown=false", "--parallel.strategy=none"),
+                           nproc=1).metrics()
+    assert "forward_s" not in records[-1] and "loss" in records[-1]
+
+
+def test_find_stragglers_uses_the_median():
+    assert find_stragglers([0.10, 0.11, 0.10, 0.30], 1.25) == [3]
+    assert find_stragglers([0.10, 0.12], 1.25) == []
+    assert find_stragglers([0.1], 1.25) == []
+
+
+def test_flops_and_catalog_peaks():
+    shape = GPTShape(vocab_size=256, context_length=64, n_layer=2, n_head=2, d_model=64)
+    model = GPT(shape)
+    matmul_weights = 2 * (3 * 64 * 64 + 64 * 64 + 2 * 4 * 64 * 64) + 256 * 64
+    expected = 3 * (2 * matmul_weights + 4 * 2 * 64 * 64)
+    assert training_flops_per_token(model, 64) == expected
+    assert catalog_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert catalog_peak("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert catalog_peak("NVIDIA H200", torch.float32) > 0
+    assert catalog_peak("Some Unknown Accelerator", torch.float32) is None
