@@ -42,7 +42,7 @@ class ProgressDisplay:
                                   split=breakdown(record))
         elif step % self.log_every == 0 or step == self.total or step == 1:
             extra = f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-            split = f"  [{breakdown(record)}]" if "forward_s" in record else ""
+            split = f"  ({breakdown(record)})" if "forward_s" in record else ""
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {record['loss']:.4f}{extra}  lr {record['lr']:.2e}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step{split}",
