@@ -15,7 +15,7 @@ same gradients as the original. (``batched_powerSGD_hook`` is not used: it asser
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable, Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,8 @@ class PowerSGDCompression(GradientCompression):
         self._serialize = False
         self._in_flight: torch.futures.Future | None = None
 
-    def register(self, ddp: DistributedDataParallel) -> None:
-        super().register(ddp)
+    def register(self, ddp: DistributedDataParallel, wrap: Callable[[Callable], Callable] | None = None) -> None:
+        super().register(ddp, wrap)
         self._serialize = dist.get_backend(self.group()) == "gloo"
 
     @property
