@@ -15,6 +15,7 @@ from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.launch.local import WorkerFailure
 from meshyard.plan import cli as plan_cli
 from meshyard.runtime.environment import detect_environment
+from meshyard.verify import cli as verify_cli
 
 EXIT_BAD_INPUT = 2
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(subparsers)
     checkpoint_cli.add_parser(subparsers)
     plan_cli.add_parser(subparsers)
+    verify_cli.add_parser(subparsers)
     doctor_cli.add_parsers(subparsers)
     bench_cli.add_bench_parser(subparsers)
     return parser
@@ -102,6 +104,7 @@ COMMANDS = {
     "config": _cmd_config,
     "ckpt": _without_overrides(checkpoint_cli.main),
     "plan": _without_overrides(plan_cli.main),
+    "verify": verify_cli.main,
     "doctor": _without_overrides(doctor_cli.doctor_main),
     "report": _without_overrides(doctor_cli.report_main),
     "bench": bench_cli.run_bench,

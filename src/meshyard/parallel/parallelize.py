@@ -58,7 +58,11 @@ def parallelize(
         # parallelized like a whole model (TP, AC, FSDP/DDP) on the rest of the mesh.
         pipelined = split_model(model, dims.pp, mesh["pp"].get_local_rank(), cfg.pp_virtual_stages, cfg.pp_split)
         stage_dims = dataclasses.replace(dims, pp=1, world_size=dims.world_size // dims.pp)
-        pipelined.wrap_stages(lambda stage: parallelize(stage, stage_dims, mesh, cfg, compute_dtype,
+        # DDP's reducer does not follow a schedule's interleaved micro-batch backwards;
+        # FSDP2 on (replicate, shard = 1) replicates a stage and all-reduces its gradients.
+        stage_cfg = dataclasses.replace(cfg, strategy="fsdp", reshard_after_forward=False) \
+            if cfg.strategy == "ddp" else cfg
+        pipelined.wrap_stages(lambda stage: parallelize(stage, stage_dims, mesh, stage_cfg, compute_dtype,
                                                         reduce_fp32).model)
         return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper))
     if dims.tp > 1:

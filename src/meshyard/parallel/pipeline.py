@@ -172,6 +172,10 @@ def sync_tied_grads(model: PipelinedModel, group: dist.ProcessGroup | None) -> N
     if not copies or group is None:
         return
     for param in copies:
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            # An embedding's backward may leave its vocabulary-split weight's gradient
+            # replicated; both copies must hold the same shard before they are summed.
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         grad = _local(param.grad)
         dist.all_reduce(grad, group=group)
 

@@ -10,11 +10,10 @@ the output head, tied to it or not, by vocabulary too.
 The fused ``attn.qkv`` projection needs care: its output is chunked into q, k, v and
 each is viewed as (heads, head_dim), so a plain column split would hand rank 0 all of
 q and half of k. Rank r must instead compute the rows of heads r*H/tp..(r+1)*H/tp of
-each of q, k and v. Such a strided layout is not a contiguous shard, which DCP cannot
-store, so the weight is kept replicated over ``tp`` (a ``Replicate`` DTensor: names,
-shapes and checkpoints unchanged) and each rank multiplies only by its heads' rows; the
-gradient rows of the other heads are filled by one all-reduce in backward. See
-docs/parallelism.md for the trade-off (qkv is a quarter of a block's weights).
+each of q, k and v, a strided set of rows that DCP cannot store as a shard. So the
+weight keeps its plain row shard (name, shape and checkpoints unchanged) and is
+gathered for each forward, like an FSDP unit, and each rank multiplies only by its own
+heads' rows (``FusedQKVParallel``); docs/parallelism.md discusses the trade-off.
 
 Any model may bring its own plan instead: a method ``tensor_parallel_plan(tp_mesh)``
 returning ``{module name: ParallelStyle}`` is applied as it is.
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
@@ -53,22 +52,30 @@ class _SumGradOverTP(torch.autograd.Function):
 class FusedQKVParallel(ParallelStyle):
     """Column-parallel fused q/k/v projection that keeps q, k and v blocks per rank.
 
+    The weight (and bias) is stored as a plain row shard (``Shard(0)``: 1/tp of the
+    memory, and a layout DCP saves and reshards like any other). In forward each rank
+    gathers it and multiplies by the rows of its own heads of q, k and v; in backward
+    the gradient, non-zero only in those rows, is reduce-scattered back to the shards.
+
     Input: the full (replicated) activation as a plain tensor. Output: a plain tensor
     ``[q_r | k_r | v_r]`` of this rank's heads, which the model's ``chunk(3)`` and
     ``view(B, T, -1, head_dim)`` read correctly.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear) or module.out_features % 3:
-            raise TypeError("FusedQKVParallel applies to an nn.Linear with 3 x d_model outputs")
-        distribute_module(module, device_mesh)  # parameters become Replicate DTensors
+        if not isinstance(module, nn.Linear) or module.out_features % (3 * device_mesh.size()):
+            raise TypeError("FusedQKVParallel applies to an nn.Linear with 3 x d_model outputs, d_model % tp == 0")
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)])))
         rank, size, group = device_mesh.get_local_rank(), device_mesh.size(), device_mesh.get_group()
 
-        def own_rows(param: torch.Tensor) -> torch.Tensor:
-            local = _SumGradOverTP.apply(param.to_local(), group)
+        def own_rows(param: DTensor) -> torch.Tensor:
+            # Gathered for this forward only; each rank's gradient covers its own rows,
+            # so it is declared partial and reduce-scattered to the shards in backward.
+            full = param.full_tensor(grad_placements=(Partial(),))
             # (3 * C, ...) -> (q|k|v, rank, C / tp, ...) -> this rank's rows of q, k and v.
-            blocks = local.view(3, size, local.shape[0] // (3 * size), *local.shape[1:])
-            return blocks[:, rank].reshape(-1, *local.shape[1:])
+            blocks = full.view(3, size, full.shape[0] // (3 * size), *full.shape[1:])
+            return blocks[:, rank].reshape(-1, *full.shape[1:])
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             x = _SumGradOverTP.apply(x, group)  # each rank's input gradient covers its heads only

@@ -16,6 +16,7 @@ bubble ``(p - 1) / (m + p - 1)`` (divided by the virtual stages for interleaving
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -36,6 +37,9 @@ SCHEDULES: dict[str, type] = {
     "interleaved1f1b": ScheduleInterleaved1F1B,
     "zerobubble": ScheduleInterleavedZeroBubble,
 }
+
+
+SUMMARY_EVERY = 25
 
 
 def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -92,6 +96,7 @@ class PipelineStep:
         else:
             self.schedule = cls(stages, microbatches, loss_fn=self._loss, scale_grads=False)
         self._stats: dict[str, float] = {}
+        self._steps, self._total_compute, self._total_wall = 0, 0.0, 0.0
 
     @property
     def grad_norm_group(self) -> dist.ProcessGroup:
@@ -135,7 +140,21 @@ class PipelineStep:
             "pp_idle_fraction": max(0.0, 1.0 - compute / wall) if wall > 0 else 0.0,
             "pp_bubble_theory": theoretical_bubble(self.pp, self.microbatches, self.virtual_stages),
         }
+        self._log_summary(compute, wall)
         return loss_sum / accum
+
+    def _log_summary(self, compute: float, wall: float) -> None:
+        """Every ``SUMMARY_EVERY`` steps, this rank's idle share so far (first step, which
+        also infers shapes, left out) goes to its log beside the theoretical bubble."""
+        self._steps += 1
+        if self._steps > 1:
+            self._total_compute += compute
+            self._total_wall += wall
+        if self._steps % SUMMARY_EVERY == 0 and self._total_wall > 0:
+            logging.getLogger(f"meshyard.rank{dist.get_rank()}").info(
+                "pipeline: stages %s, %s x %d micro-batches: idle %.1f%% of step time measured, %.1f%% theoretical "
+                "bubble", [index for index, _ in self.model.stages], type(self.schedule).__name__, self.microbatches,
+                100 * (1 - self._total_compute / self._total_wall), 100 * self._stats["pp_bubble_theory"])
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""Run a config twice (one process, then its own layout) and compare the two trainings.
+
+Both runs get the same seed, data order and global batch, so they see the same samples
+in every step; only the layout differs. Compared: each step's loss and gradient norm
+(from ``metrics.jsonl``) and, at the end, every parameter (from the final checkpoint,
+read back as full tensors). Dropout is switched off in both runs, since its masks depend
+on the layout's random streams and would differ by design, not by error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshyard.checkpoint.tools import model_state, resolve
+from meshyard.config.sections import Config, ParallelConfig
+from meshyard.config.validate import validate
+from meshyard.train.precision import resolve_dtype
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest differences still counted as the same training, for one precision."""
+
+    loss_rel: float
+    grad_norm_rel: float
+    param_abs: float
+
+
+# fp32 reorders sums across ranks (1e-7 per operation) and Adam may amplify that in
+# near-zero moments; half precisions round every matmul to 3 (bf16) or 4 (fp16) digits.
+TOLERANCES = {
+    "fp32": Tolerance(loss_rel=1e-5, grad_norm_rel=1e-4, param_abs=1e-4),
+    "bf16": Tolerance(loss_rel=2e-2, grad_norm_rel=5e-2, param_abs=5e-2),
+    "fp16": Tolerance(loss_rel=1e-2, grad_norm_rel=5e-2, param_abs=2e-2),
+}
+
+
+def tolerance_for(cfg: Config) -> tuple[str, Tolerance]:
+    """The precision the run computes in and the tolerance that goes with it."""
+    device = torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu")
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        resolve_dtype(cfg.precision.dtype, device)]
+    return name, TOLERANCES[name]
+
+
+@dataclass
+class VerifyReport:
+    """Per-step and final differences between the single-process and the layout run."""
+
+    precision: str
+    tolerance: Tolerance
+    layout: str
+    steps: list[dict[str, float]] = field(default_factory=list)
+    max_param_diff: float = 0.0
+    worst_param: str = ""
+    missing: list[str] = field(default_factory=list)
+    run_dirs: tuple[str, str] = ("", "")
+
+    @property
+    def passed(self) -> bool:
+        t = self.tolerance
+        return (not self.missing and bool(self.steps) and self.max_param_diff <= t.param_abs
+                and all(s["loss_rel"] <= t.loss_rel and s["grad_norm_rel"] <= t.grad_norm_rel for s in self.steps))
+
+    def format(self) -> str:
+        t = self.tolerance
+        lines = [f"meshyard verify: {self.layout} against 1 process ({self.precision})",
+                 f"{'step':>5} {'loss (1 proc)':>14} {'loss (layout)':>14} {'rel diff':>10} {'grad norm rel':>14}"]
+        for s in self.steps:
+            lines.append(f"{int(s['step']):>5} {s['loss_single']:>14.7f} {s['loss_layout']:>14.7f} "
+                         f"{s['loss_rel']:>10.2e} {s['grad_norm_rel']:>14.2e}")
+        lines.append(f"max parameter difference: {self.max_param_diff:.2e}"
+                     + (f" ({self.worst_param})" if self.worst_param else ""))
+        if self.missing:
+            lines.append(f"parameters missing from one of the checkpoints: {', '.join(self.missing)}")
+        verdict = "PASS" if self.passed else "FAIL"
+        lines.append(f"{verdict}: thresholds loss rel <= {t.loss_rel:g}, grad norm rel <= {t.grad_norm_rel:g}, "
+                     f"parameters abs <= {t.param_abs:g}")
+        return "\n".join(lines)
+
+
+def describe_layout(cfg: Config, nproc: int) -> str:
+    dims = validate(cfg, nproc).dims
+    p = cfg.parallel
+    parts = [f"{nproc} ranks", f"strategy {p.strategy}", f"dp_replicate {dims.dp_replicate}",
+             f"dp_shard {dims.dp_shard}", f"tp {dims.tp}", f"pp {dims.pp}"]
+    if dims.pp > 1:
+        parts.append(f"{p.pp_schedule} x {p.microbatches or dims.pp} micro-batches")
+    if p.ac != "none":
+        parts.append(f"ac {p.ac}")
+    return ", ".join(parts)
+
+
+def _for_comparison(cfg: Config, steps: int, run_dir: Path) -> Config:
+    """Same job, ``steps`` long, dropout off, a final synchronous checkpoint, own run dir."""
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, dropout=0.0),
+        train=dataclasses.replace(cfg.train, steps=steps, eval_every=0),
+        checkpoint=dataclasses.replace(cfg.checkpoint, enabled=True, save_final=True, interval=0,
+                                       interval_minutes=0.0, async_save=False, dir=""),
+        metrics=dataclasses.replace(cfg.metrics, jsonl=True, progress_bar=False),
+        run=dataclasses.replace(cfg.run, run_dir=str(run_dir)),
+    )
+
+
+def single_process(cfg: Config, micro_batch: int) -> Config:
+    """``cfg`` on one process: no parallelism, the same global batch in micro-batches of
+    the layout's size (so it fits where one rank of the layout fits activations)."""
+    return dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(strategy="none"),
+        train=dataclasses.replace(cfg.train, micro_batch=micro_batch, grad_accum=0),
+        run=dataclasses.replace(cfg.run, nproc=1),
+    )
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare_runs(single_dir: Path, layout_dir: Path, report: VerifyReport) -> VerifyReport:
+    """Fill ``report`` from two finished run directories."""
+    from meshyard.metrics.records import read_metrics
+
+    expected, actual = read_metrics(single_dir), read_metrics(layout_dir)
+    for e, a in zip(expected, actual):
+        report.steps.append({"step": e["step"], "loss_single": e["loss"], "loss_layout": a["loss"],
+                             "loss_rel": _rel(a["loss"], e["loss"]),
+                             "grad_norm_rel": _rel(a.get("grad_norm", 0.0), e.get("grad_norm", 0.0))})
+    if len(expected) != len(actual):
+        report.missing.append(f"steps ({len(expected)} vs {len(actual)} recorded)")
+    reference = model_state(resolve(str(single_dir), {}))
+    trained = model_state(resolve(str(layout_dir), {}))
+    report.missing += sorted(set(reference) ^ set(trained))
+    for name in sorted(set(reference) & set(trained)):
+        diff = (trained[name].float() - reference[name].float()).abs().max().item() if reference[name].numel() else 0.0
+        if diff > report.max_param_diff or not report.worst_param:
+            report.max_param_diff, report.worst_param = max(diff, report.max_param_diff), name
+    return report
+
+
+def verify_layout(cfg: Config, nproc: int, steps: int = 5, workdir: str | Path | None = None,
+                  quiet: bool = True) -> VerifyReport:
+    """Train ``cfg`` for ``steps`` on one process and on ``nproc`` ranks; compare them.
+
+    Raises ``ConfigError`` if ``cfg`` is not valid on ``nproc`` ranks. Run directories go
+    under ``workdir`` (kept) or a temporary folder (removed).
+    """
+    from meshyard.api import run
+
+    layout_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, nproc=nproc))
+    batch = validate(layout_cfg, nproc).batch
+    precision, tolerance = tolerance_for(cfg)
+    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg, nproc))
+    with tempfile.TemporaryDirectory(prefix="meshyard-verify-") as scratch:
+        root = Path(workdir) if workdir else Path(scratch)
+        single_cfg = _for_comparison(single_process(cfg, batch.micro_batch), steps, root / "single")
+        layout_run_cfg = _for_comparison(layout_cfg, steps, root / "layout")
+        _quietly(run, quiet, single_cfg, nproc=1, resume="none")
+        _quietly(run, quiet, layout_run_cfg, nproc=nproc, resume="none")
+        report.run_dirs = (str(root / "single"), str(root / "layout"))
+        return compare_runs(root / "single", root / "layout", report)
+
+
+def _quietly(fn: Any, quiet: bool, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` with this process's stdout silenced (the runs' own records stay on disk)."""
+    if not quiet:
+        return fn(*args, **kwargs)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fn(*args, **kwargs)
