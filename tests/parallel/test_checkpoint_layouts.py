@@ -18,7 +18,6 @@ STEPS, HALF = 6, 3
 # stages' parameters. meshyard.checkpoint.state needs
 # StateDictOptions(flatten_optimizer_state_dict=True) in get_state_dict/set_state_dict
 # (checked by hand: a 2-stage checkpoint then loads on 1 process with its Adam state).
-PP_OPTIM_STATE = "PP checkpoints need flatten_optimizer_state_dict=True in meshyard.checkpoint.state"
 COMMON = ("--checkpoint.enabled=true", "--checkpoint.interval=0", "--checkpoint.async_save=false",
           "--optim.schedule=constant")
 
@@ -36,8 +35,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize(
     "first, second",
     [((2, ["--parallel.strategy=none", "--parallel.tp=2"]), (1, ["--parallel.strategy=none"])),
-     pytest.param((2, ["--parallel.strategy=none", "--parallel.pp=2"]), (2, ["--parallel.strategy=fsdp"]),
-                  marks=pytest.mark.xfail(strict=True, reason=PP_OPTIM_STATE))],
+     ((2, ["--parallel.strategy=none", "--parallel.pp=2"]), (2, ["--parallel.strategy=fsdp"]))],
     ids=["tp-to-none", "pp-to-fsdp"],
 )
 def test_checkpoint_continues_on_another_layout(tmp_path, uninterrupted, first, second):

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_model_state_dict, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _flatten_optim_state_dict,
+                                                     _init_optim_state, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -28,22 +29,25 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _zero_optimizer_state(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
-    """ZeRO-1's state in the layout DCP's state-dict helpers use for plain optimizers:
-    ``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``.
+# Optimizer state is saved flat, one key per parameter name and entry
+# ("state.blocks.0.mlp.fc.weight.exp_avg", "param_groups.blocks.0.mlp.fc.weight.lr"): a
+# rank then contributes exactly the entries of the parameters it holds, which is what
+# lets pipeline stages (each holding other parameters) and ZeRO-1 partitions (each
+# holding the state of a share) write one checkpoint that loads under any layout.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    Each rank holds the state of its own partition (an inner optimizer), so each rank
-    contributes the entries of its parameters and the checkpoint holds the full state,
-    loadable under DDP, FSDP or ZeRO-1 with any partitioning. The state tensors returned
-    are the optimizer's own, so a DCP load fills them in place.
-    """
+
+def _zero_optimizer_state(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """ZeRO-1's state in the flat layout above, for the parameters of this rank's
+    partition (kept by an inner optimizer). The state tensors are the optimizer's own,
+    so a DCP load fills them in place."""
     names = {param: name for name, param in unwrap(model).named_parameters()}  # first name of tied params
     _init_optim_state(zero.optim)
     state = {names[p]: zero.optim.state[p] for group in zero.optim.param_groups for p in group["params"]
              if p in zero.optim.state}
-    groups = [{**{k: v for k, v in inner.items() if k != "params"}, "params": [names[p] for p in outer["params"]]}
-              for inner, outer in zip(zero.optim.param_groups, zero.param_groups)]
-    return {"state": state, "param_groups": groups}
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+              for group in zero.optim.param_groups if group["params"]]
+    return _flatten_optim_state_dict({"state": state, "param_groups": groups})
 
 
 def rng_key(rank: int) -> str:
@@ -90,7 +94,7 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         model_state, optim_state = get_model_state_dict(model), _zero_optimizer_state(model, optimizer)
     else:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, rng_key(rank): capture_rng()}
     for name, obj in (extra or {}).items():
         state[f"{name}.rank{rank}"] = obj.state_dict()
@@ -110,12 +114,15 @@ def load_tensor_state(
         if not any(saved == key or saved.startswith(key + ".") for saved in saved_keys):
             del state[key]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        del state["optim"]["param_groups"]  # hyperparameters come from the config; lr from the scheduler
-        load(state)  # fills the optimizer's state tensors in place
+        # Hyperparameters come from the config and lr from the scheduler; only the state
+        # tensors are read, in place.
+        state["optim"] = {k: v for k, v in state["optim"].items() if k.startswith("state.")}
+        load(state)
         set_model_state_dict(model, state["model"])
     else:
         load(state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=FLAT)
     for name, obj in (extra or {}).items():
         if f"{name}.rank{rank}" in state:
             obj.load_state_dict(state[f"{name}.rank{rank}"])
