@@ -40,7 +40,7 @@ def _rank(rank: int, pp: int, folder: str, schedule: str, microbatches: int, ste
         mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",))
         model = split_model(GPT(SHAPE), pp, rank)
         runner = PipelineStep(model, mesh["pp"].get_group(), schedule, microbatches,
-                              build_precision(torch.float32, torch.device("cpu"), False), torch.device("cpu"))
+                              build_precision(torch.float32, torch.device("cpu"), sharded_grads=True, model_casts=False), torch.device("cpu"))
         tokens = torch.randint(0, SHAPE.vocab_size, (BATCH, SHAPE.context_length))
         idle = []
         for step in range(steps):

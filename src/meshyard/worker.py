@@ -142,18 +142,21 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                                           resolve_dtype(cfg.precision.dtype, runtime.device), runtime.world_size)
 
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
-    sharded = cfg.parallel.strategy == "fsdp"
+    # FSDP casts parameters itself; pipeline stages under 'ddp' are replicated with FSDP too.
+    fsdp_casts = cfg.parallel.strategy == "fsdp" or (dims.pp > 1 and cfg.parallel.strategy == "ddp")
     model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm,
                                      hook_wrapper=timer.comm.wrap if timer.comm else None)
     peak_lr = scaled_peak_lr(cfg.optim, batch.global_batch)
     zero_group = mesh["dp_replicate"].get_group() if cfg.parallel.strategy == "zero1" and dims.dp > 1 else None
     optimizer = build_optimizer(unwrap(model), cfg.optim, peak_lr, zero_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    precision = build_precision(dtype, runtime.device, sharded)
+    precision = build_precision(dtype, runtime.device, sharded_grads=fsdp_casts or dims.tp > 1 or dims.pp > 1,
+                                model_casts=fsdp_casts)
 
     facts = {
         "world_size": runtime.world_size, "backend": runtime.backend, "device": str(runtime.device),
         "strategy": cfg.parallel.strategy, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+        "tp": dims.tp, "pp": dims.pp, "activation_checkpointing": cfg.parallel.ac,
         "global_batch": batch.global_batch, "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum,
         "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "peak_lr": peak_lr,
         "data": data.description, "train_samples": data.train_samples, **throughput_facts,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm.ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 from tests.comm.scenarios import layout_options
 
 STEPS = 4

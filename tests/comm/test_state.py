@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshyard.comm import build_compression
 from meshyard.config.sections import CommConfig
-from tests.comm.ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 from tests.comm.scenarios import loss_of, resume_exactness, tiny_gpt
 
 METHODS = {

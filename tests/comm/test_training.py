@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshyard.comm.topk import topk_count
-from tests.comm.ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 from tests.comm.scenarios import tiny_gpt, train_methods
 
 STEPS = 100

@@ -55,7 +55,7 @@ def pipeline_stats(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     shape = GPTShape(**{**SHAPE.__dict__, "tie_embeddings": False})
     model = split_model(GPT(shape), world_size, rank)
-    precision = build_precision(torch.float32, torch.device("cpu"), sharded=False)
+    precision = build_precision(torch.float32, torch.device("cpu"), sharded_grads=True, model_casts=False)
     runner = PipelineStep(model, mesh["pp"].get_group(), "gpipe", 4, precision, torch.device("cpu"))
     tokens = torch.randint(0, shape.vocab_size, (8, 16))
     for _ in range(2):

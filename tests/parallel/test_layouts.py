@@ -62,7 +62,7 @@ def test_layout_matches_single_process(tmp_path, baseline, layout):
 
 def test_pipeline_step_reports_idle_fraction(tmp_path):
     """The runner measures its stages' idle share beside the schedule's theory."""
-    from tests.comm.ranks import run_on_ranks
+    from tests.ranks import run_on_ranks
     from tests.parallel.scenarios import pipeline_stats
 
     stats = run_on_ranks(pipeline_stats, world_size=2)

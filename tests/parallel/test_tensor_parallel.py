@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm.ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 from tests.parallel.scenarios import single_forward_backward, tp_forward_backward
 
 

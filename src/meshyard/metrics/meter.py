@@ -29,8 +29,9 @@ class StepMeter:
     def start_step(self) -> None:
         self.timer.start_step()
 
-    def finish_step(self, step_time: float, tokens: int) -> dict[str, Any]:
-        """Figures of the step just finished (after its synchronisation)."""
+    def finish_step(self, step_time: float, tokens: int, runner_figures: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Figures of the step just finished (after its synchronisation); ``runner_figures``
+        (a pipeline stage's idle share) join the per-rank window only."""
         figures: dict[str, Any] = self.timer.finish_step()
         if figures:
             # Whatever the phases do not cover (logging, checkpoint bookkeeping, Python).
@@ -42,7 +43,8 @@ class StepMeter:
             figures["model_tflops"] = achieved / 1e12
             figures["mfu"] = achieved / (self.peak_flops * self.world_size)
         if self.window is not None:
-            self.window.add({**figures, "step_time_s": step_time, "memory_bytes": _memory_of(figures)})
+            self.window.add({**(runner_figures or {}), **figures, "step_time_s": step_time,
+                             "memory_bytes": _memory_of(figures)})
         return figures
 
     def gather_due(self, step: int) -> bool:

@@ -35,10 +35,12 @@ def apply_ddp(
 
 
 def _shardable_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: children of the first ``nn.ModuleList``."""
+    """The repeated blocks to shard one by one: children of the first ``nn.ModuleList``
+    (or ``nn.ModuleDict``)."""
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return list(module)
+        # A pipeline stage keeps its blocks in a ModuleDict under their global indices.
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
+            return list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
     return []
 
 

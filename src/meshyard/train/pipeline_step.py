@@ -161,6 +161,16 @@ class PipelineStep:
         self._loss_scale = 1.0
         return self._run(inputs, targets, train=False)
 
+    def phase_split(self) -> dict[str, float]:
+        """The last step's time in the Trainer's phases. The schedule interleaves forward
+        and backward, so measured compute is split 1:2 (their FLOP ratio); time the stage
+        spent waiting for its neighbours (the bubble and transfers) counts as exposed
+        communication."""
+        if not self._stats:
+            return {}
+        compute, wall = self._stats["pp_compute_s"], self._stats["pp_wall_s"]
+        return {"forward": compute / 3, "backward": 2 * compute / 3, "comm": max(0.0, wall - compute)}
+
     def take_step_stats(self) -> dict[str, float]:
         """This rank's pipeline figures of the last step (measured idle share vs theory)."""
         stats, self._stats = self._stats, {}

@@ -38,6 +38,10 @@ class StepRunner(Protocol):
         """Loss of one batch without gradients."""
         ...
 
+    def take_step_stats(self) -> dict[str, float]:
+        """Figures of the step just run for its record (pipelines: stage idle time)."""
+        ...
+
 
 class MicroBatchStep:
     """Runs the micro-batches one after another through the whole (possibly sharded) model."""
@@ -68,3 +72,6 @@ class MicroBatchStep:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
             return next_token_loss(self.model(inputs), targets)
+
+    def take_step_stats(self) -> dict[str, float]:
+        return {}

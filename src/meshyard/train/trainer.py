@@ -205,6 +205,10 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
         loss = self.runner.forward_backward(micro_batches)
+        # Runners that cannot time forward and backward apart (a pipeline schedule
+        # interleaves them) report their step's split instead.
+        for phase, seconds in getattr(self.runner, "phase_split", dict)().items():
+            self.timer.add(phase, seconds)
         with self.timer.phase("optimizer"):
             grad_norm = self._optimizer_step()
         return loss, grad_norm
@@ -285,7 +289,9 @@ class Trainer:
         }
         if self.precision.scaler.is_enabled():
             record["loss_scale"] = self.precision.scaler.get_scale()
-        record.update(self.meter.finish_step(step_time, self.tokens_per_step))
+        runner_figures = self.runner.take_step_stats()  # pipeline idle share, gathered per rank below
+        record.update(runner_figures)
+        record.update(self.meter.finish_step(step_time, self.tokens_per_step, runner_figures))
         record.update(self.compression.take_step_stats())
         if agreed.nonfinite or not math.isfinite(record["grad_norm"]):
             record["nonfinite"] = self._report_nonfinite(loss, record["grad_norm"])
