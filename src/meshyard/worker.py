@@ -35,8 +35,9 @@ from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, Pr
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger, read_metrics, truncate_metrics
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
-from meshyard.parallel.parallelize import parallelize
+from meshyard.parallel.parallelize import parallelize, uses_loss_parallel
 from meshyard.train.pipeline_step import build_step_runner
+from meshyard.train.step import MicroBatchStep
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.distributed import Runtime, init_distributed, shutdown_distributed
 from meshyard.runtime.environment import detect_environment
@@ -177,7 +178,9 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                       dp_rank, cfg.data.seq_len, sinks, checkpoints, watcher,
                       extra_state={"comm": compression} if compression.state_dict() else None,
                       meter=meter, compression=compression, on_nonfinite=cfg.fault.on_nonfinite,
-                      runner=build_step_runner(model, mesh, cfg.parallel, precision, runtime.device))
+                      runner=build_step_runner(model, mesh, cfg.parallel, precision, runtime.device)
+                      or MicroBatchStep(model, precision, runtime.device, timer,
+                                        loss_parallel=uses_loss_parallel(cfg.parallel, dims)))
     point = _agree(lambda: choose_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report),
                    runtime.is_main)
     restored_rng = False

@@ -16,18 +16,28 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def tp_forward_backward(rank: int, world_size: int, sequence_parallel: bool, tied: bool) -> dict:
-    """Loss and full gradients of the GPT under TP, on every rank."""
+def tp_forward_backward(rank: int, world_size: int, sequence_parallel: bool, tied: bool,
+                        vocab_split_loss: bool = False) -> dict:
+    """Loss and full gradients of the GPT under TP, on every rank (with ``vocab_split_loss``
+    the loss runs on vocabulary-sharded logits under loss_parallel())."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
     torch.manual_seed(0)
     shape = GPTShape(**{**SHAPE.__dict__, "tie_embeddings": tied})
     model = GPT(shape)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    apply_tp(model, mesh["tp"], sequence_parallel)
+    apply_tp(model, mesh["tp"], sequence_parallel, loss_parallel=vocab_split_loss)
     torch.manual_seed(1)
     tokens = torch.randint(0, shape.vocab_size, (3, 16))
-    logits = model(tokens)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab_size), tokens.reshape(-1))
-    loss.backward()
+    context = loss_parallel if vocab_split_loss else contextlib.nullcontext
+    with context():
+        logits = model(tokens)
+        assert isinstance(logits, DTensor) == vocab_split_loss
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, shape.vocab_size), tokens.reshape(-1))
+        loss.backward()
+    loss = _full(loss)
     return {"loss": loss.item(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
             "params": {n: _full(p.detach()) for n, p in model.named_parameters()}}
 

@@ -33,7 +33,8 @@ def baseline(tmp_path_factory) -> tuple[list[tuple[float, float]], list[float]]:
 
 
 LAYOUTS = {
-    "tp2": (2, ["--parallel.strategy=none", "--parallel.tp=2"]),
+    "tp2": (2, ["--parallel.strategy=none", "--parallel.tp=2"]),  # loss parallel on (the default)
+    "tp2-gathered-logits": (2, ["--parallel.strategy=none", "--parallel.tp=2", "--parallel.loss_parallel=false"]),
     "pp2-gpipe": (2, ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=gpipe"]),
     "pp2-1f1b-accum": (2, ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
                            "--parallel.microbatches=4", "--train.grad_accum=2"]),

@@ -9,10 +9,14 @@ from tests.ranks import run_on_ranks
 from tests.parallel.scenarios import single_forward_backward, tp_forward_backward
 
 
-@pytest.mark.parametrize("sequence_parallel, tied", [(True, True), (False, False)], ids=["sp-tied", "plain-untied"])
-def test_tp_gradients_equal_single_device(sequence_parallel, tied):
+@pytest.mark.parametrize(
+    "sequence_parallel, tied, vocab_split_loss",
+    [(True, True, False), (False, False, False), (True, True, True), (True, False, True)],
+    ids=["sp-tied", "plain-untied", "sp-tied-loss-parallel", "sp-untied-loss-parallel"],
+)
+def test_tp_gradients_equal_single_device(sequence_parallel, tied, vocab_split_loss):
     reference = single_forward_backward(tied)
-    for out in run_on_ranks(tp_forward_backward, sequence_parallel, tied, world_size=2):
+    for out in run_on_ranks(tp_forward_backward, sequence_parallel, tied, vocab_split_loss, world_size=2):
         assert out["loss"] == pytest.approx(reference["loss"], rel=1e-6)
         assert set(out["grads"]) == set(reference["grads"]), "TP must keep parameter names"
         for name, grad in reference["grads"].items():

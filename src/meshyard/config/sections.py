@@ -127,6 +127,9 @@ class ParallelConfig:
     sequence_parallel: bool = option(
         True, "tp: also split norms and dropout along the sequence (less activation memory, same result)."
     )
+    loss_parallel: bool = option(
+        True, "tp: compute the loss on vocabulary-sharded logits instead of gathering them (not under pp)."
+    )
     pp: int = option(1, "Pipeline-parallel degree: the model is cut into this many stages, one group of ranks each.")
     microbatches: int = option(
         0, "pp: pipeline micro-batches per train.micro_batch (must divide it); 0 uses the number of stages."

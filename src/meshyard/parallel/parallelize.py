@@ -31,6 +31,12 @@ class Parallelized(NamedTuple):
     compression: GradientCompression
 
 
+def uses_loss_parallel(cfg: ParallelConfig, dims: ParallelDims) -> bool:
+    """Loss parallel needs the loss computed by the step runner on the head's output,
+    which a pipeline schedule does inside its last stage instead."""
+    return cfg.loss_parallel and dims.tp > 1 and dims.pp == 1
+
+
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -62,11 +68,13 @@ def parallelize(
         # FSDP2 on (replicate, shard = 1) replicates a stage and all-reduces its gradients.
         stage_cfg = dataclasses.replace(cfg, strategy="fsdp", reshard_after_forward=False) \
             if cfg.strategy == "ddp" else cfg
+        # The schedule computes the loss inside the last stage, on gathered logits.
+        stage_cfg = dataclasses.replace(stage_cfg, loss_parallel=False)
         pipelined.wrap_stages(lambda stage: parallelize(stage, stage_dims, mesh, stage_cfg, compute_dtype,
                                                         reduce_fp32).model)
         return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper))
     if dims.tp > 1:
-        model = apply_tp(model, mesh["tp"], cfg.sequence_parallel)
+        model = apply_tp(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=uses_loss_parallel(cfg, dims))
     model = apply_ac(model, cfg.ac, cfg.ac_every)
     if cfg.strategy == "fsdp":
         # HSDP: replicate over dp_replicate and shard over dp_shard in one 2-D mesh.

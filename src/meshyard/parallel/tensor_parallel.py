@@ -122,8 +122,13 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh, input_fn=as_replicated, output_fn=lambda mod, out, mesh: out.to_local())
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True,
+             loss_parallel: bool = False) -> nn.Module:
     """Split ``model`` over the 1-D ``tp_mesh``; parameter names and full shapes are unchanged.
+
+    With ``loss_parallel`` the output head returns logits split by vocabulary (a DTensor)
+    and the loss must be computed under ``torch.distributed.tensor.parallel.loss_parallel``:
+    the full (batch x sequence x vocabulary) logits are never gathered on one rank.
 
     Works on the whole GPT and on a pipeline stage of it (parts it does not hold are
     skipped). A model with ``tensor_parallel_plan(tp_mesh)`` gets its own plan instead.
@@ -146,7 +151,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
     if getattr(model, "ln_f", None) is not None and sequence_parallel:
         plan["ln_f"] = SequenceParallel()
     if getattr(model, "lm_head", None) is not None and not tied:
-        plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel(input_layouts=between,
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
     for _, block in _named_blocks(model):
         parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
     parallelize_module(model, tp_mesh, plan)
@@ -156,11 +163,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         # The head shares the vocabulary-split embedding weight: re-tie it, then only its
         # input and output need converting.
         model.lm_head.weight = model.tok_emb.weight
-        _vocab_split_head(model.lm_head, tp_mesh, between)
+        _vocab_split_head(model.lm_head, tp_mesh, between, loss_parallel)
     return model
 
 
-def _vocab_split_head(head: nn.Linear, tp_mesh: DeviceMesh, between: Shard | Replicate) -> None:
+def _vocab_split_head(head: nn.Linear, tp_mesh: DeviceMesh, between: Shard | Replicate,
+                      loss_parallel: bool) -> None:
     def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = inputs[0]
         if not isinstance(x, DTensor):
@@ -168,6 +176,8 @@ def _vocab_split_head(head: nn.Linear, tp_mesh: DeviceMesh, between: Shard | Rep
         return (x.redistribute(placements=(Replicate(),)),)
 
     def gather_output(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        if loss_parallel:
+            return out  # vocabulary-split logits, for a loss computed under loss_parallel()
         return out.redistribute(placements=(Replicate(),)).to_local()
 
     distribute_module(head, tp_mesh, partition_fn=lambda *args: None,

@@ -8,11 +8,14 @@ them (clipping, optimizer, schedule, records, checkpoints) is the Trainer's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.parallel.data_parallel import set_gradient_sync
@@ -24,6 +27,11 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all positions, computed in fp32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallelism is a replicated DTensor; its plain value."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class StepRunner(Protocol):
@@ -49,11 +57,14 @@ class MicroBatchStep:
     holds_loss = True
 
     def __init__(self, model: nn.Module, precision: Precision, device: torch.device,
-                 timer: StepTimer | NullStepTimer | None = None) -> None:
+                 timer: StepTimer | NullStepTimer | None = None, loss_parallel: bool = False) -> None:
         self.model = model
         self.precision = precision
         self.device = device
         self.timer = timer or NullStepTimer()
+        # Under tensor parallelism the head may return vocabulary-split logits; the loss
+        # (and its backward) then run under loss_parallel(), which reduces across ranks.
+        self.loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         accum = len(micro_batches)
@@ -62,16 +73,16 @@ class MicroBatchStep:
             # Gradients are synchronised only on the last micro-step: the others just
             # accumulate locally, which is what makes accumulation cheap.
             set_gradient_sync(self.model, index == accum - 1)
-            with self.timer.phase("forward"), self.precision.autocast():
+            with self.timer.phase("forward"), self.precision.autocast(), self.loss_context():
                 loss = next_token_loss(self.model(inputs), targets)
-            with self.timer.backward():
+            with self.timer.backward(), self.loss_context():
                 self.precision.scaler.scale(loss / accum).backward()
-            loss_sum += loss.detach()
+            loss_sum += _local(loss.detach())
         return loss_sum / accum
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.precision.autocast():
-            return next_token_loss(self.model(inputs), targets)
+        with self.precision.autocast(), self.loss_context():
+            return _local(next_token_loss(self.model(inputs), targets))
 
     def take_step_stats(self) -> dict[str, float]:
         return {}
