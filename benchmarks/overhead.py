@@ -41,9 +41,13 @@ def meshyard_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
 
 
-def raw_ddp_steps(args: argparse.Namespace, config) -> list[float]:
+def raw_ddp_steps(args: argparse.Namespace, config, round_index: int) -> list[float]:
     """The loop a user would write by hand with torch.distributed; returns step times."""
-    dist.init_process_group("gloo")
+    store, rank, world = next(dist.rendezvous("env://"))
+    # Each round joins a fresh group on the same store: its own key prefix keeps it from
+    # reading the previous round's peer addresses.
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"raw{round_index}", store), rank=rank,
+                            world_size=world)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.train.seed)
@@ -74,7 +78,7 @@ def rank_main(args: argparse.Namespace, workdir: str) -> dict[str, list[float]] 
     for round_index in range(args.rounds):
         run_dir = Path(workdir) / f"round{round_index}"
         config = load_config(None, meshyard_overrides(args, run_dir))
-        results["raw"] += raw_ddp_steps(args, config)
+        results["raw"] += raw_ddp_steps(args, config, round_index)
         run_worker(config_to_dict(config), str(run_dir))
         if torch.distributed.is_initialized():
             dist.destroy_process_group()

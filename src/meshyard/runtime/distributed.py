@@ -63,6 +63,9 @@ def init_distributed(
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend, store=store)
 
 
+_JOINS = 0
+
+
 def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:
     """The rendezvous store, with keys private to this restart round.
 
@@ -74,7 +77,11 @@ def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:
     url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     store, _, _ = next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
     restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"meshyard/round{restart_round}", store)
+    # A process may also join several times (a script calling run_worker twice): every
+    # rank does so equally often, so a per-process count keeps those rounds apart too.
+    global _JOINS
+    _JOINS += 1
+    return dist.PrefixStore(f"meshyard/round{restart_round}/join{_JOINS}", store)
 
 
 def shutdown_distributed() -> None:
