@@ -23,6 +23,7 @@ def _rank_main(rank: int, world_size: int, folder: str, fn: Callable[..., Any], 
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
+        dist.barrier()  # no collective of another rank still in flight when the group goes
     finally:
         dist.destroy_process_group()
 
@@ -30,5 +31,11 @@ def _rank_main(rank: int, world_size: int, folder: str, fn: Callable[..., Any], 
 def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
     """``fn`` must be importable (a module-level function) since ranks are spawned."""
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank_main, args=(world_size, folder, fn, args), nprocs=world_size, join=True)
+        try:
+            mp.spawn(_rank_main, args=(world_size, folder, fn, args), nprocs=world_size, join=True)
+        except mp.ProcessExitedException:
+            # A rank that saved its result and then died in interpreter teardown (a native
+            # thread of the backend aborting at exit) did its work; anything earlier fails.
+            if not all((Path(folder) / f"rank{r}.pt").exists() for r in range(world_size)):
+                raise
         return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
