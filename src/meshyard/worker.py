@@ -147,6 +147,8 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     fsdp_casts = cfg.parallel.strategy == "fsdp" or (dims.pp > 1 and cfg.parallel.strategy == "ddp")
     model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm,
                                      hook_wrapper=timer.comm.wrap if timer.comm else None)
+    if timer.enabled and runtime.device.type != "cuda" and dims.pp == 1:
+        timer.fsdp.attach(model)  # FSDP's forward all-gather waits count as communication
     peak_lr = scaled_peak_lr(cfg.optim, batch.global_batch)
     zero_group = mesh["dp_replicate"].get_group() if cfg.parallel.strategy == "zero1" and dims.dp > 1 else None
     optimizer = build_optimizer(unwrap(model), cfg.optim, peak_lr, zero_group)

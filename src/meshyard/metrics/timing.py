@@ -51,6 +51,37 @@ class CommTracker:
         return timed_hook
 
 
+class FSDPWaitTracker:
+    """Time FSDP2 spends in each unit's pre-forward hook: waiting for (and copying out)
+    its parameters' all-gather, i.e. the forward all-gather not hidden by prefetching.
+
+    Two hooks bracket FSDP's own: one registered in front of it, one after it. (Backward
+    all-gathers and reduce-scatters have no such bracket and stay inside backward.)
+    """
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+        self._start = 0.0
+
+    def attach(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(self._before, prepend=True)
+                module.register_forward_pre_hook(self._after)
+
+    def _before(self, module: torch.nn.Module, args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _after(self, module: torch.nn.Module, args: Any) -> None:
+        self.waited += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+
 def default_allreduce_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's own averaging all-reduce, as a Python hook so it can be timed."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -67,6 +98,7 @@ class StepTimer:
                  mark: Callable[..., None] = lambda where, step=None: None) -> None:
         self.mark = mark  # tells the hang watchdog where this rank is
         self.cuda = device.type == "cuda"
+        self.fsdp = FSDPWaitTracker()
         self.comm = comm or CommTracker(self.cuda)
         self._totals: dict[str, float] = {}
         self._events: list[tuple[str, Any, Any]] = []
@@ -95,6 +127,10 @@ class StepTimer:
         start = time.perf_counter()
         yield
         self._totals[name] += time.perf_counter() - start
+        if name == "forward":
+            waited = self.fsdp.take()  # FSDP all-gather waits inside this forward
+            self._totals["forward"] -= waited
+            self._totals["comm"] += waited
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
