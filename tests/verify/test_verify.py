@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 from meshyard.cli import main
 from meshyard.verify import VerifyReport, tolerance_for

@@ -13,7 +13,7 @@ the ``r``-th contiguous slice of that range and cuts it into micro-batches. So:
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
