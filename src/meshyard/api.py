@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import PluginError, is_custom_reference, load_callable
 from meshyard.run_dir import resolve_run_dir
+from meshyard.runtime.devices import (default_nproc, local_launch_problem, require_deterministic_cublas,
+                                      visible_gpu_count)
 from meshyard.runtime.environment import detect_environment
 from meshyard.worker import run_worker, spawned_worker
 
@@ -88,7 +91,8 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
     """Train according to ``config``.
 
     Inside torchrun, Slurm or a Kubeflow pod this process becomes one rank of that job.
-    Otherwise ``nproc`` (default ``config.run.nproc``) local workers are started through
+    Otherwise ``nproc`` (default ``config.run.nproc``; when that is 0, one per visible GPU
+    if the run uses CUDA, else 2) local workers are started through
     the elastic agent (restarting them up to ``fault.max_restarts`` times); with one
     process the run happens in this process.
 
@@ -96,7 +100,8 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
     ``latest`` (continue the newest run of this name), ``none``, or a checkpoint, checkpoint
     folder or run directory (path or URL).
 
-    Raises ``ConfigError`` before starting anything if the configuration is invalid, and
+    Raises ``ConfigError`` before starting anything if the configuration is invalid (more
+    local workers than GPUs included, unless ``run.share_gpus`` allows it), and
     ``Preempted`` when the run stopped for a preemption signal after saving.
     """
     env = detect_environment()
@@ -106,14 +111,18 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
         run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run)
         return RunResult(run_dir, summary)
 
-    nproc = nproc or config.run.nproc
+    gpus = visible_gpu_count()
+    nproc = nproc or config.run.nproc or default_nproc(config.run.device, gpus)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, nproc=nproc))
-    validate(config, nproc)
+    launch_problem = local_launch_problem(nproc, config.run.device, gpus, config.run.share_gpus)
+    validate(config, nproc, [launch_problem] if launch_problem else [])
     config, resume = _resume_target(config, resume)
+    prepare_inputs(config)  # before the run directory exists: bad input leaves nothing behind
     run_dir = resolve_run_dir(config.run)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"meshyard: run directory {run_dir}", flush=True)
-    prepare_inputs(config)
+    # Workers inherit this environment, and cuBLAS reads the setting when CUDA starts in them.
+    require_deterministic_cublas(config.train.deterministic, config.run.device, os.environ)
     args = (config_to_dict(config), str(run_dir), resume)
     if nproc == 1:
         threads = torch.get_num_threads()
@@ -125,7 +134,7 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
         started = time.time()
         try:
             summary = launch_local(spawned_worker, args, nproc, config.fault.max_restarts,
-                                   config.fault.grace_period_s)[0]
+                                   config.fault.grace_period_s, config.fault.signals)[0]
         except WorkerFailure as failure:
             if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
                 raise _preemption_from_record(run_dir, started) from None

@@ -9,6 +9,7 @@ from meshyard.bench import cli as bench_cli
 from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.doctor import cli as doctor_cli
+from meshyard.extras import MissingExtra
 from meshyard.config.load import ConfigError, group_override_tokens, load_config
 from meshyard.config.validate import load_and_validate
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         return COMMANDS[args.command](args, overrides)
-    except ConfigError as exc:
+    except (ConfigError, MissingExtra) as exc:
         print(f"meshyard: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except WorkerFailure as exc:

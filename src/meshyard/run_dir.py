@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 from meshyard.config.sections import RunConfig
@@ -22,3 +23,14 @@ def resolve_run_dir(cfg: RunConfig, job_id: str = "") -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def run_id_of(run_dir: Path) -> str:
+    """The id of the run living in ``run_dir``: made on first use and kept there, so a
+    restarted, requeued or resumed-in-place run keeps it (its checkpoints carry it)."""
+    path = run_dir / "run_id"
+    if path.exists():
+        return path.read_text().strip()
+    value = uuid.uuid4().hex[:12]
+    path.write_text(value + "\n")
+    return value

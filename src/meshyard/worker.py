@@ -12,7 +12,6 @@ import platform
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
-from meshyard.checkpoint.resume import (ResumePoint, checkpoint_root, choose_resume_point, load_resume_point,
+from meshyard.checkpoint.resume import (ResumePoint, agree_resume_point, checkpoint_root, load_resume_point,
                                         restart_count)
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.dump import config_hash, config_to_toml
@@ -35,10 +34,12 @@ from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, Pr
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger, read_metrics, truncate_metrics
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
+from meshyard.parallel.materialize import build_model_deferred, materialize, meta_init_applies
 from meshyard.parallel.parallelize import parallelize, uses_loss_parallel
 from meshyard.train.pipeline_step import build_step_runner
 from meshyard.train.step import MicroBatchStep
-from meshyard.run_dir import resolve_run_dir
+from meshyard.run_dir import resolve_run_dir, run_id_of
+from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.distributed import Runtime, init_distributed, shutdown_distributed
 from meshyard.runtime.environment import detect_environment
 from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr
@@ -89,9 +90,10 @@ def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "
     Raises ``Preempted`` after the preemption checkpoint when a stop signal arrived.
     """
     cfg = config_from_dict(config_values)
-    # torchdata calls a deprecated torch function on every loader start; nothing to act on.
-    warnings.filterwarnings("ignore", message=".*set_vital.*")
-    runtime = init_distributed(detect_environment(), cfg.run.device, cfg.run.threads_per_rank)
+    # Before the device is chosen: cuBLAS reads its workspace setting when CUDA starts.
+    require_deterministic_cublas(cfg.train.deterministic, cfg.run.device, os.environ)
+    runtime = init_distributed(detect_environment(), cfg.run.device, cfg.run.threads_per_rank,
+                               cfg.fault.collective_timeout_s, share_gpus=cfg.run.share_gpus)
     watcher = _watch_signals(cfg.fault.signals)
     try:
         return _train(cfg, runtime, run_dir, resume, watcher)
@@ -121,6 +123,7 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     dims, batch = layout.dims, layout.batch
     run_dir = Path(_agree(lambda: run_dir_text or str(resolve_run_dir(cfg.run, _cluster_job_id())), runtime.is_main))
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = _agree(lambda: run_id_of(run_dir), runtime.is_main)  # marks this run's checkpoints
     display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
                if runtime.is_main else NullDisplay())
     logger = rank_logger(run_dir, runtime.rank)
@@ -135,10 +138,13 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
-    data = build_data(cfg.data, batch.global_batch, batch.micro_batch, dp_rank, dims.dp, cfg.train.seed)
-    with runtime.device:
-        model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len)
-    n_params = sum(p.numel() for p in model.parameters())
+    data = build_data(cfg.data, batch.global_batch, batch.micro_batch, dp_rank, dims.dp, cfg.train.seed,
+                      runtime.device)
+    # Under FSDP and pipelining on the meta device: no rank ever holds the whole model.
+    model, init_record = build_model_deferred(lambda: build_model(cfg.model, data.vocab_size, cfg.data.seq_len),
+                                              runtime.device, meta_init_applies(cfg.parallel.strategy, dims.pp),
+                                              logger.info, report)
+    n_params = sum(p.numel() for p in model.parameters())  # meta parameters count too
     meter, throughput_facts = build_meter(cfg.metrics, timer, model, cfg.data.seq_len, runtime.device,
                                           resolve_dtype(cfg.precision.dtype, runtime.device), runtime.world_size)
 
@@ -147,6 +153,10 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     fsdp_casts = cfg.parallel.strategy == "fsdp" or (dims.pp > 1 and cfg.parallel.strategy == "ddp")
     model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm,
                                      hook_wrapper=timer.comm.wrap if timer.comm else None)
+    model_init = "meta" if init_record is not None else "device"
+    if init_record is not None:
+        materialize(model, init_record)  # this rank's shards and stages, valued as in a full build
+    del init_record  # it holds the values of tensors built with them, in full
     if timer.enabled and runtime.device.type != "cuda" and dims.pp == 1:
         timer.fsdp.attach(model)  # FSDP's forward all-gather waits count as communication
     peak_lr = scaled_peak_lr(cfg.optim, batch.global_batch)
@@ -154,7 +164,7 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
     optimizer = build_optimizer(unwrap(model), cfg.optim, peak_lr, zero_group)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     precision = build_precision(dtype, runtime.device, sharded_grads=fsdp_casts or dims.tp > 1 or dims.pp > 1,
-                                model_casts=fsdp_casts)
+                                model_casts=fsdp_casts, growth_interval=cfg.precision.loss_scale_growth_interval)
 
     facts = {
         "world_size": runtime.world_size, "backend": runtime.backend, "device": str(runtime.device),
@@ -164,6 +174,7 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
         "dtype": str(dtype).removeprefix("torch."), "parameters": n_params, "peak_lr": peak_lr,
         "data": data.description, "train_samples": data.train_samples, **throughput_facts,
         "memory_capacity_bytes": meter.memory.capacity, "local_world_size": _local_world_size(runtime),
+        "model_init": model_init,
     }
     logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(facts))
     own_root = checkpoint_root(cfg.checkpoint, run_dir)
@@ -171,7 +182,7 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                                                   "global_batch", "micro_batch")}
     manifest_facts.update(config_hash=config_hash(cfg), config=config_to_toml(cfg))
     checkpoints = (CheckpointManager(cfg.checkpoint, CheckpointStore(own_root, cfg.checkpoint.storage_options),
-                                     runtime.rank, report, manifest_facts)
+                                     runtime.rank, report, manifest_facts, run_id)
                    if cfg.checkpoint.enabled else NullCheckpointManager())
     writer = JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()
     exporters = build_exporters(cfg.metrics, run_dir) if runtime.is_main else []
@@ -183,14 +194,16 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                       runner=build_step_runner(model, mesh, cfg.parallel, precision, runtime.device)
                       or MicroBatchStep(model, precision, runtime.device, timer,
                                         loss_parallel=uses_loss_parallel(cfg.parallel, dims)))
-    point = _agree(lambda: choose_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report),
-                   runtime.is_main)
+    verify_start = time.perf_counter()
+    point = agree_resume_point(resume, own_root, cfg.checkpoint, restart_count() > 0, report, runtime.rank,
+                               runtime.world_size)
+    verify_s = time.perf_counter() - verify_start
     restored_rng = False
     if point is not None:
         load_start = time.perf_counter()
         restored_rng = load_resume_point(point, cfg.checkpoint, trainer, runtime.rank)
         facts["resumed_from"] = {"checkpoint": point.location, "step": trainer.progress.step,
-                                 "load_s": time.perf_counter() - load_start}
+                                 "load_s": time.perf_counter() - load_start, "verify_s": verify_s}
     if not restored_rng:
         # Different dropout masks per data-parallel rank; after a resume on another
         # layout, also different from the masks of the steps already taken.

@@ -49,7 +49,7 @@ def test_export_has_plain_names_that_load_into_the_model(fsdp_run, tmp_path, cap
     torch_file = tmp_path / "model.pt"
     assert main(["ckpt", "export", str(fsdp_run.run_dir / "checkpoints" / "step-00000002"),
                  "--out", str(torch_file)]) == 0
-    assert set(torch.load(torch_file)) == set(tensors)
+    assert set(torch.load(torch_file, weights_only=True)) == set(tensors)
     assert main(["ckpt", "inspect", str(fsdp_run.run_dir)]) == 0
     assert "blocks.0.attn.qkv.weight" in capsys.readouterr().out
 
@@ -58,3 +58,17 @@ def test_bad_path_exits_2(tmp_path, capsys):
     assert main(["ckpt", "list", str(tmp_path / "nowhere")]) == 2
     assert "holds no checkpoints" in capsys.readouterr().err
     assert main(["ckpt", "list", str(tmp_path), "--train.steps=3"]) == 2
+
+
+def test_safetensors_export_without_the_package_names_the_extra(fsdp_run, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    out = tmp_path / "model.safetensors"
+    assert main(["ckpt", "export", str(fsdp_run.run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'meshyard[safetensors]'" in err and "Traceback" not in err
+    assert not out.exists()
+    # A torch.save export needs no extra.
+    assert main(["ckpt", "export", str(fsdp_run.run_dir), "--out", str(tmp_path / "model.pt")]) == 0

@@ -1,8 +1,10 @@
-"""The checkpoint manager in one process: commit protocol, retention, failures, verification."""
+"""The checkpoint manager in one process: commit protocol, retention, failures, verification,
+and several runs sharing one checkpoint folder."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 
 import fsspec
@@ -25,11 +27,12 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def make_manager(root: str, *overrides: str, messages: list[str] | None = None) -> CheckpointManager:
+def make_manager(root: str, *overrides: str, messages: list[str] | None = None,
+                 run_id: str = "run-a") -> CheckpointManager:
     cfg = load_config(None, list(overrides)).checkpoint
     sink = messages if messages is not None else []
     return CheckpointManager(cfg, CheckpointStore(root, cfg.storage_options), rank=0, report=sink.append,
-                             facts={"world_size": 1})
+                             facts={"world_size": 1}, run_id=run_id)
 
 
 def state(model, optimizer):
@@ -65,8 +68,13 @@ def test_commit_protocol_and_retention(one_rank, tmp_path, model_and_optimizer, 
     assert (tmp_path / "latest").read_text().strip() == "step-00000005"
     manifest = json.loads((tmp_path / "step-00000005" / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["world_size"] == 1 and manifest["eval_loss"] == 2.4
-    assert {".metadata", "trainer_state.json"} <= set(manifest["files"])
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert manifest["run_id"] == "run-a"
+    assert {".metadata", "trainer_state.json", "__0_0.distcp"} == set(manifest["files"])
+    # The sums, taken by the writing rank, are those of the files as published.
+    for name, entry in manifest["files"].items():
+        data = (tmp_path / "step-00000005" / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rank": 0}
+    assert sorted(p.name for p in (tmp_path / "step-00000005").iterdir()) == sorted([*manifest["files"], "manifest.json"])
     assert [o.step for o in manager.outcomes if o.name] == [1, 2, 3, 4, 5]
 
 
@@ -74,9 +82,13 @@ def test_half_written_checkpoint_is_never_valid(one_rank, tmp_path, model_and_op
     model, optimizer = model_and_optimizer
     manager = make_manager(str(tmp_path), "--checkpoint.async_save=false")
     save(manager, 3, model, optimizer)
-    # A crash mid-save leaves a staging folder: ignored by readers, removed by the next manager.
-    (tmp_path / "step-00000006.partial").mkdir()
-    (tmp_path / "step-00000006.partial" / "__0_0.distcp").write_bytes(b"partial")
+    # A crash mid-save leaves a staging folder: ignored by readers, removed by the next
+    # manager of the same run; another run's (maybe in progress) stays.
+    for partial in ("step-00000006.run-a.partial", "step-00000006.run-b.partial"):
+        (tmp_path / partial).mkdir()
+        (tmp_path / partial / "__0_0.distcp").write_bytes(b"partial")
+    (tmp_path / "latest.run-a.0123abcd.tmp").write_text("step-00000006")
+    (tmp_path / "latest.run-b.4567cdef.tmp").write_text("step-00000006")
     # A published folder without its manifest (a remote store mid-write) is not valid either.
     (tmp_path / "step-00000009").mkdir()
     messages: list[str] = []
@@ -85,7 +97,10 @@ def test_half_written_checkpoint_is_never_valid(one_rank, tmp_path, model_and_op
     assert name == "step-00000003"
     assert "step-00000009 is not valid: no manifest" in messages[0]
     make_manager(str(tmp_path))
-    assert not (tmp_path / "step-00000006.partial").exists()
+    assert not (tmp_path / "step-00000006.run-a.partial").exists()
+    assert not (tmp_path / "latest.run-a.0123abcd.tmp").exists()
+    assert (tmp_path / "step-00000006.run-b.partial" / "__0_0.distcp").exists()
+    assert (tmp_path / "latest.run-b.4567cdef.tmp").exists()
 
 
 def test_verify_detects_truncation_and_missing_files(one_rank, tmp_path, model_and_optimizer):
@@ -146,3 +161,61 @@ def test_time_based_saving_is_decided_by_rank_0_clock(one_rank, tmp_path):
     assert manager.time_due()
     manager.rank = 1
     assert not manager.time_due()  # other ranks follow rank 0 through the step's all-reduce
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_runs_sharing_a_folder_delete_only_their_own(one_rank, tmp_path, model_and_optimizer, async_save):
+    model, optimizer = model_and_optimizer
+    mode = f"--checkpoint.async_save={async_save}"
+    run_a = make_manager(str(tmp_path), "--checkpoint.keep_last=2", mode, run_id="run-a")
+    for step in (1, 2, 3):
+        save(run_a, step, model, optimizer, eval_loss=float(step))
+    run_a.wait()
+    (tmp_path / "step-00000009.run-a.partial").mkdir()  # run A is mid-save
+    # Run B starts in the same folder (its cleanup runs now) and saves more often than it keeps.
+    messages: list[str] = []
+    run_b = make_manager(str(tmp_path), "--checkpoint.keep_last=1", mode, run_id="run-b", messages=messages)
+    for step in (4, 5, 6):
+        save(run_b, step, model, optimizer, eval_loss=9.0)
+        run_b.poll()
+    run_b.wait()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    # A's retained checkpoints (its best and newest two) and its partial survive B's cleanup
+    # and retention; B keeps its newest and (keep_best) its first, all at eval loss 9.0.
+    assert names == ["step-00000001", "step-00000002", "step-00000003", "step-00000004", "step-00000006",
+                     "step-00000009.run-a.partial"]
+    assert [m["run_id"] for _, m in run_b.own_committed()] == ["run-b", "run-b"]
+    assert not messages
+
+
+def test_a_run_never_writes_over_another_runs_checkpoint(one_rank, tmp_path, model_and_optimizer):
+    model, optimizer = model_and_optimizer
+    run_a = make_manager(str(tmp_path), "--checkpoint.async_save=false", run_id="run-a")
+    save(run_a, 3, model, optimizer)
+    before = (tmp_path / "step-00000003" / "manifest.json").read_text()
+    messages: list[str] = []
+    run_b = make_manager(str(tmp_path), "--checkpoint.async_save=false", run_id="run-b", messages=messages)
+    save(run_b, 3, model, optimizer)
+    assert (tmp_path / "step-00000003" / "manifest.json").read_text() == before
+    assert "already holds a checkpoint of another run (run-a)" in messages[0]
+    assert [o.name for o in run_b.outcomes] == [None]
+
+
+def test_in_place_saves_of_two_runs_do_not_collide(one_rank, model_and_optimizer):
+    """Object stores have no staging name: an unfinished save is claimed by a marker."""
+    model, optimizer = model_and_optimizer
+    root = "memory://shared-folder"
+    fs = fsspec.filesystem("memory")
+    run_a = make_manager(root, "--checkpoint.async_save=false", run_id="run-a")
+    run_a._claim("/shared-folder/step-00000007", "/shared-folder/step-00000007")  # A's save is under way
+    fs.pipe("/shared-folder/step-00000007/__0_0.distcp", b"A's shard")
+    messages: list[str] = []
+    run_b = make_manager(root, "--checkpoint.async_save=false", run_id="run-b", messages=messages)
+    save(run_b, 7, model, optimizer)
+    assert fs.cat("/shared-folder/step-00000007/__0_0.distcp") == b"A's shard"
+    assert "another run (run-a)" in messages[0]
+    save(run_a, 7, model, optimizer)  # A's own leftover is its to replace
+    store = CheckpointStore(root)
+    assert verify(store, "/shared-folder/step-00000007")[1] is None
+    assert not fs.exists("/shared-folder/step-00000007/run_id.txt")
+    fs.rm("/shared-folder", recursive=True)

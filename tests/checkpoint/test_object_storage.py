@@ -10,6 +10,7 @@ import meshyard
 from meshyard.checkpoint.cli import main as ckpt_main
 from meshyard.checkpoint.tools import list_checkpoints, model_state, resolve
 from meshyard.cli import build_parser
+from meshyard.config.load import load_config
 from tests.conftest import tiny_config
 
 moto_server = pytest.importorskip("moto.server")
@@ -29,7 +30,7 @@ def s3_endpoint():
     server.stop()
 
 
-def test_s3_round_trip(tmp_path, s3_endpoint):
+def test_s3_round_trip(tmp_path, s3_endpoint, monkeypatch):
     options = f'{{ key = "testing", secret = "testing", client_kwargs = {{ endpoint_url = "{s3_endpoint}" }} }}'
     url = "s3://meshyard/runs/first"
     common = ["--checkpoint.enabled=true", f"--checkpoint.dir={url}", f"--checkpoint.storage_options={options}",
@@ -41,11 +42,18 @@ def test_s3_round_trip(tmp_path, s3_endpoint):
     assert rows[-1]["latest"] and rows[-1]["world_size"] == 2
     saved = model_state(resolve(url, storage))
 
-    # A second run with the same checkpoint location continues from step 4, in one process.
-    second = meshyard.run(tiny_config(tmp_path / "b", *common, "--train.steps=6", "--parallel.strategy=none"),
-                          nproc=1)
+    # A second run started from the first's recorded config (credentials redacted there,
+    # taken from the environment by s3fs) continues from step 4, in one process. It keeps
+    # the first run's checkpoints: retention deletes only a run's own.
+    assert "<redacted>" in (first.run_dir / "config.toml").read_text()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    recorded = load_config(first.run_dir / "config.toml", ["--train.steps=6", "--parallel.strategy=none",
+                                                           f"--run.run_dir={tmp_path / 'b' / 'run'}"])
+    second = meshyard.run(recorded, nproc=1)
     assert [r["step"] for r in second.metrics()] == [5, 6]
-    assert [r["name"] for r in list_checkpoints(url, storage)] == ["step-00000004", "step-00000006"]
+    s3fs.S3FileSystem.clear_instance_cache()  # the run wrote through another client than this process's cached one
+    assert [r["name"] for r in list_checkpoints(url, storage)] == ["step-00000002", "step-00000004", "step-00000006"]
     assert first.summary["steps"] == 4 and saved["tok_emb.weight"].shape[1] == 64
 
     # The command-line tools reach the same bucket.

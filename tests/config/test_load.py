@@ -16,7 +16,9 @@ def write(tmp_path, text: str):
 
 
 def test_defaults_without_file():
-    assert load_config() == Config()
+    cfg = load_config()
+    assert cfg.run.nproc >= 1 and Config().run.nproc == 0  # 0 ("this machine's default") is resolved on load
+    assert dataclasses.replace(cfg, run=Config().run) == Config()
 
 
 def test_every_field_is_documented():
@@ -88,3 +90,14 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "[train\nsteps = 1"))
+
+
+@pytest.mark.parametrize("command", [["run"], ["config", "show"]])
+def test_non_utf8_file_exits_2_naming_file_and_line(tmp_path, capsys, command):
+    from meshyard.cli import main
+
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[train]\nsteps = 3\n# déjà vu\n".encode("latin-1"))
+    assert main([*command, str(path), f"--run.dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}, line 3: byte 0xe9 is not UTF-8" in err and "Traceback" not in err

@@ -43,34 +43,21 @@ def test_deterministic_from_seed_and_reshuffled_each_epoch():
     assert sampler.step_indices(0) != sampler.step_indices(sampler.steps_per_epoch)  # epoch 1 differs
 
 
-def test_iterator_state_resumes_mid_step():
-    sampler = GlobalBatchSampler(50, 8, 2, 1, 2, seed=3)
-    full = list(itertools.islice(iter(sampler), 20))
-    first = iter(sampler)
-    for _ in range(7):
-        next(first)
-    state = first.state_dict()
-    resumed = iter(sampler)
-    resumed.load_state_dict(state)
-    assert list(itertools.islice(resumed, 13)) == full[7:]
-
-
-def test_loader_state_roundtrip_through_torchdata():
+def test_loader_resumes_at_a_step_with_no_state_of_its_own():
+    """A resume only seeks the sampler to the saved step (across epochs too): torch's plain
+    DataLoader then yields exactly what an uninterrupted one would."""
     import torch
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torch.utils.data import DataLoader
 
-    dataset = torch.arange(50)
-    sampler = GlobalBatchSampler(50, 8, 4, 0, 2, seed=1)
-    loader = StatefulDataLoader(dataset, batch_sampler=sampler)
-    it = iter(loader)
-    for _ in range(5):
-        next(it)
-    state = loader.state_dict()
-    expected = [next(it).tolist() for _ in range(6)]
-    fresh = StatefulDataLoader(dataset, batch_sampler=GlobalBatchSampler(50, 8, 4, 0, 2, seed=1))
-    fresh.load_state_dict(state)
-    it2 = iter(fresh)
-    assert [next(it2).tolist() for _ in range(6)] == expected
+    from meshyard.data.loader import DataBundle
+
+    def loader() -> DataLoader:
+        return DataLoader(torch.arange(50), batch_sampler=GlobalBatchSampler(50, 8, 2, 1, 2, seed=1))
+
+    full = [batch.tolist() for batch in itertools.islice(loader(), 40)]  # 2 micro-batches a step, 20 steps
+    resumed = DataBundle(loader(), None, 0, "", 50)
+    resumed.seek(7)
+    assert [batch.tolist() for batch in itertools.islice(resumed.train_loader, 26)] == full[14:]
 
 
 def test_too_little_data_is_a_clear_error():

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from meshyard.bench.report import BenchInputError, default_out_dir
+from meshyard.extras import require
 
 EXIT_BAD_INPUT = 2
 
@@ -60,6 +61,8 @@ def run_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
     Config problems raise ``ConfigError``, which the top-level command reports the same way.
     """
+    # Checked first: the plots come after minutes of measuring.
+    require("matplotlib", f"the plots of 'meshyard bench {args.bench_command}'")
     try:
         steps = getattr(args, "steps", None)
         if steps is not None and steps < 1:

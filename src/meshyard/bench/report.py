@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
+from meshyard.extras import require
+
 
 class BenchInputError(ValueError):
     """A bad benchmark argument; the message says what is wrong and what is accepted."""
@@ -30,7 +32,7 @@ def environment() -> dict[str, Any]:
     try:
         import matplotlib
         matplotlib_version = matplotlib.__version__
-    except ImportError:  # pragma: no cover - a declared dependency
+    except ImportError:  # an optional extra: the record is still written
         matplotlib_version = None
     cuda = torch.cuda.is_available()
     return {
@@ -79,8 +81,7 @@ def write_record(out_dir: Path, name: str, record: dict[str, Any], table: str) -
 
 def new_figure(columns: int, title: str):
     """A figure with ``columns`` side-by-side axes, drawn off-screen."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "the plots of 'meshyard bench'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

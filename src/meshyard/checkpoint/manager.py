@@ -1,15 +1,21 @@
 """Saving, committing, retaining and finding checkpoints.
 
-A save goes: every rank writes its DCP shards into a staging location -> rank 0 writes
-``trainer_state.json``, then the manifest (sizes and SHA-256 of every file, read back)
--> the checkpoint is published (local: renamed from ``step-N.partial`` to ``step-N``)
--> the ``latest`` pointer is replaced -> older checkpoints beyond the retention policy
-are deleted. A crash at any point leaves the previous checkpoints valid and the new one
-either complete or ignored.
+A save goes: every rank writes its DCP shards into a staging location and records the
+sizes and SHA-256 of its own files (``digests``) -> rank 0 writes ``trainer_state.json``,
+then the manifest (every rank's record merged) -> the checkpoint is published (local:
+renamed from ``step-N.<run id>.partial`` to ``step-N``) -> the ``latest`` pointer is
+replaced -> this run's older checkpoints beyond the retention policy are deleted. A crash
+at any point leaves the previous checkpoints valid and the new one either complete or
+ignored.
 
 Async saves copy the state to memory, return, and write in a background thread through a
-process group of their own (DCP's collectives must not interleave with training's); at
-most one save is in flight, and a failed one is reported, never silently dropped.
+process group of their own (DCP's collectives must not interleave with training's); rank
+0 commits in that thread too, after the write, with file operations only (no collective).
+At most one save is in flight, and a failed one is reported, never silently dropped.
+
+Several runs may share one checkpoint folder: every manifest carries the id of the run
+that saved it, and a run deletes only its own partial saves and retired checkpoints, and
+never writes over another run's checkpoint.
 """
 
 from __future__ import annotations
@@ -17,20 +23,24 @@ from __future__ import annotations
 import json
 import re
 import time
-from concurrent.futures import Future
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from meshyard.checkpoint.manifest import MANIFEST, build_manifest, verify
+from meshyard.checkpoint.digests import DCP_METADATA, collect_records, digest_files, remove_records
+from meshyard.checkpoint.manifest import MANIFEST, build_manifest, owner, verify
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
+# Marks an in-place save (object stores: no staging name) as this run's until its manifest does.
+OWNER_MARKER = "run_id.txt"
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -60,18 +70,32 @@ class SaveOutcome:
     name: str | None  # None when the save failed
     error: str | None
     seconds: float
+    commit_s: float = 0.0  # rank 0's commit (in the background for async saves)
+
+
+class CheckpointConflict(OSError):
+    """The checkpoint name this run would write holds another run's checkpoint."""
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 class CheckpointManager:
     """Owns one checkpoint root; call ``save`` at step boundaries and ``poll`` every step."""
 
     def __init__(self, cfg: CheckpointConfig, store: CheckpointStore, rank: int,
-                 report: Callable[[str], None] = print, facts: dict[str, Any] | None = None) -> None:
-        """``facts`` (world size, layout, config and its hash) go into every manifest."""
+                 report: Callable[[str], None] = print, facts: dict[str, Any] | None = None,
+                 run_id: str | None = None) -> None:
+        """``facts`` (world size, layout, config and its hash) go into every manifest.
+        ``run_id`` (the same on every rank) marks this run's checkpoints; keep it across
+        restarts of the run, or its older checkpoints count as another run's."""
         self.cfg = cfg
         self.facts = dict(facts or {})
         self.store = store
         self.rank = rank
+        self.world_size = dist.get_world_size()
+        self.run_id = run_id or new_run_id()
         self.report = report
         self._pending: PendingSave | None = None
         self.outcomes: list[SaveOutcome] = []
@@ -79,6 +103,7 @@ class CheckpointManager:
         # DCP's async writer runs collectives from a background thread; on their own
         # gloo group they cannot interleave with the training step's collectives.
         self._group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self._background = ThreadPoolExecutor(1, "meshyard-checkpoint") if cfg.async_save else None
         if rank == 0:
             store.makedirs(store.root)
             self._remove_stale_staging()
@@ -110,25 +135,66 @@ class CheckpointManager:
         self._last_save_started = time.monotonic()
         name = checkpoint_name(step)
         final = self.store.path(name)
-        staging = self.store.path(self.store.staging_name(name))
-        if self.rank == 0:
-            self.store.remove_tree(staging)
-            if staging != final:
-                self.store.remove_tree(final)  # an invalid leftover of an earlier attempt
-        dist.barrier()
+        staging = self.store.path(self._staging_name(name))
         pending = PendingSave(step, staging, final, None, trainer_state, facts, time.perf_counter())
-        writer = self.store.dcp_writer(staging)
+        refused = self._agree_on_target(staging, final)
+        if refused is not None:
+            self._fail(pending, refused, discard=not isinstance(refused, CheckpointConflict))
+            return
+        writer = self.store.dcp_writer(staging, rank=self.rank)
         try:
             if blocking or not self.cfg.async_save:
                 dcp.save(tensor_state, storage_writer=writer)
             else:
-                pending.future = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group)
+                written = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group)
+                assert self._background is not None
+                pending.future = self._background.submit(self._commit_when_written, written, pending)
         except (Exception, CheckpointException) as exc:  # storage errors of synchronous saves
             self._fail(pending, exc)
             return
         self._pending = pending
         if pending.future is None:
             self._complete()
+
+    def _staging_name(self, name: str) -> str:
+        """Local saves are staged under a name of this run's (runs sharing the folder
+        never collide); object stores are written in place."""
+        return f"{name}.{self.run_id}.partial" if self.store.is_local else name
+
+    def _agree_on_target(self, staging: str, final: str) -> BaseException | None:
+        """Rank 0 clears this run's leftovers at the target, or refuses a target that holds
+        another run's checkpoint; every rank learns the answer (which also keeps every
+        rank from writing before rank 0 has cleared)."""
+        answer: list[BaseException | None] = [None]
+        if self.rank == 0:
+            try:
+                self._claim(staging, final)
+            except Exception as exc:  # handed to every rank: none may wait for a save that will not happen
+                answer[0] = exc
+        if self.world_size > 1:
+            dist.broadcast_object_list(answer, src=0)
+        return answer[0]
+
+    def _claim(self, staging: str, final: str) -> None:
+        self._refuse_foreign(final)
+        self.store.remove_tree(staging)
+        if staging == final:  # in place: mark it as this run's until the manifest does
+            self.store.makedirs(staging)
+            self.store.write_text(f"{staging}/{OWNER_MARKER}", self.run_id, self.run_id)
+
+    def _owner_of(self, directory: str) -> str | None:
+        found = owner(self.store, directory)
+        marker = f"{directory}/{OWNER_MARKER}"
+        if found is None and self.store.exists(marker):
+            return self.store.read_text(marker).strip()
+        return found
+
+    def _refuse_foreign(self, directory: str) -> None:
+        found = self._owner_of(directory)
+        if found is not None and found != self.run_id:
+            raise CheckpointConflict(
+                f"{directory} already holds a checkpoint of another run ({found or 'one without a run id'}), "
+                "which is left alone; give each run its own checkpoint.dir")
 
     def poll(self) -> None:
         """Commit a finished background save; cheap when none is pending."""
@@ -146,38 +212,55 @@ class CheckpointManager:
             self._complete()
 
     def _complete(self) -> None:
+        """Record the outcome of the save (committing it first when it was blocking)."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        error = pending.future.exception() if pending.future is not None else None
-        if error is not None:
-            self._fail(pending, error)
+        try:
+            commit_s = self._commit_timed(pending) if pending.future is None else pending.future.result()
+        except (Exception, CheckpointException) as exc:
+            self._fail(pending, exc)
             return
-        if self.rank == 0:
-            try:
-                self._commit(pending)
-            except Exception as exc:
-                self._fail(pending, exc)
-                return
         seconds = time.perf_counter() - pending.started
-        self.outcomes.append(SaveOutcome(pending.step, checkpoint_name(pending.step), None, seconds))
+        self.outcomes.append(SaveOutcome(pending.step, checkpoint_name(pending.step), None, seconds, commit_s))
+
+    def _commit_when_written(self, written: Future, pending: PendingSave) -> float:
+        """The background part of an async save: DCP's write, then rank 0's commit. The
+        commit is file operations only, never a collective, so running it beside the
+        training thread cannot deadlock."""
+        written.result()
+        return self._commit_timed(pending)
+
+    def _commit_timed(self, pending: PendingSave) -> float:
+        start = time.perf_counter()
+        if self.rank == 0:
+            self._commit(pending)
+        return time.perf_counter() - start
 
     def _commit(self, pending: PendingSave) -> None:
-        store = self.store
-        store.write_text(f"{pending.staging}/{TRAINER_STATE}", _dumps(pending.trainer_state))
-        manifest = build_manifest(store, pending.staging, {"step": pending.step, **self.facts, **pending.facts})
-        store.write_text(f"{pending.staging}/{MANIFEST}", _dumps(manifest))
-        if pending.staging != pending.final:
+        store, staging, tag = self.store, pending.staging, self.run_id
+        store.write_text(f"{staging}/{TRAINER_STATE}", _dumps(pending.trainer_state), tag)
+        files = collect_records(store, staging, self.world_size)
+        files.update(digest_files(store, staging, [DCP_METADATA, TRAINER_STATE], rank=0))  # rank 0 wrote these
+        remove_records(store, staging, self.world_size)
+        facts = {"step": pending.step, **self.facts, **pending.facts, "run_id": self.run_id}
+        store.write_text(f"{staging}/{MANIFEST}", _dumps(build_manifest(files, facts)), tag)
+        if staging == pending.final:  # the manifest names the owner from now on
+            store.fs.rm(f"{staging}/{OWNER_MARKER}")
+        if staging != pending.final:
+            self._refuse_foreign(pending.final)  # another run may have published this name meanwhile
             store.remove_tree(pending.final)
-        store.publish(pending.staging, pending.final)
-        store.write_text(store.path(LATEST), checkpoint_name(pending.step) + "\n")
+        store.publish(staging, pending.final)
+        store.write_text(store.path(LATEST), checkpoint_name(pending.step) + "\n", tag)
         self._apply_retention()
 
-    def _fail(self, pending: PendingSave, error: BaseException) -> None:
+    def _fail(self, pending: PendingSave, error: BaseException, discard: bool = True) -> None:
+        """Report a failed save; ``discard`` removes what it wrote (not when the target
+        was refused: then it is another run's)."""
         message = (f"checkpoint of step {pending.step} failed and was discarded ({_describe(error)}); "
                    f"earlier checkpoints are intact. Check free space and access to {self.store.url}.")
         self.report(message)
         self.outcomes.append(SaveOutcome(pending.step, None, str(error), time.perf_counter() - pending.started))
-        if self.rank == 0:
+        if self.rank == 0 and discard:
             try:
                 self.store.remove_tree(pending.staging)
             except Exception:
@@ -190,34 +273,35 @@ class CheckpointManager:
         found = [(step_of(n), n) for n in names if step_of(n) is not None]
         return sorted((s, n) for s, n in found if self.store.exists(self.store.path(n, MANIFEST)))
 
+    def own_committed(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, manifest) of this run's committed checkpoints, oldest first."""
+        own = []
+        for _, name in self.committed():
+            try:
+                manifest = self.store.read_json(self.store.path(name, MANIFEST))
+            except (OSError, ValueError):
+                continue  # gone or unreadable: not provably this run's, so never deleted
+            if manifest.get("run_id") == self.run_id:
+                own.append((name, manifest))
+        return own
+
     def _apply_retention(self) -> None:
-        checkpoints = self.committed()
-        keep = {name for _, name in checkpoints[-self.cfg.keep_last:]}
-        if self.cfg.keep_best:
-            best = self._best_by_eval(checkpoints)
-            if best:
-                keep.add(best)
-        for _, name in checkpoints:
+        """Delete this run's checkpoints beyond the policy; other runs' are never touched."""
+        own = self.own_committed()
+        keep = {name for name, _ in own[-self.cfg.keep_last:]}
+        scored = [(m["eval_loss"], name) for name, m in own if m.get("eval_loss") is not None]
+        if self.cfg.keep_best and scored:
+            keep.add(min(scored)[1])
+        for name, _ in own:
             if name not in keep:
                 self.store.remove_tree(self.store.path(name))
 
-    def _best_by_eval(self, checkpoints: list[tuple[int, str]]) -> str | None:
-        scored = []
-        for _, name in checkpoints:
-            loss = self.store.read_json(self.store.path(name, MANIFEST)).get("eval_loss")
-            if loss is not None:
-                scored.append((loss, name))
-        return min(scored)[1] if scored else None
-
     def _remove_stale_staging(self) -> None:
+        """Partial saves and temporary files this run left behind (a crash mid-save); those
+        of other runs sharing the folder may be in progress and stay."""
         for name in self.store.list_dir(self.store.root):
-            if name.endswith(".partial") or name.endswith(".tmp"):
+            if name.endswith(f".{self.run_id}.partial") or (name.endswith(".tmp") and f".{self.run_id}." in name):
                 self.store.remove_tree(self.store.path(name))
-
-    # finding ----------------------------------------------------------------------
-    def latest_valid(self) -> tuple[str, dict[str, Any]] | None:
-        """The newest checkpoint that verifies; invalid newer ones are reported and skipped."""
-        return find_latest_valid(self.store, self.cfg.verify_checksums, self.report)
 
 
 class NullCheckpointManager:
@@ -248,9 +332,12 @@ class NullCheckpointManager:
         pass
 
 
-def find_latest_valid(store: CheckpointStore, checksums: bool = True,
-                      report: Callable[[str], None] = print) -> tuple[str, dict[str, Any]] | None:
-    names = sorted((n for n in store.list_dir(store.root) if step_of(n) is not None), reverse=True)
+def find_latest_valid(store: CheckpointStore, checksums: bool = True, report: Callable[[str], None] = print,
+                      rejected: Collection[str] = ()) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint under ``store`` that verifies (all of its files' checksums on
+    this process with ``checksums``), skipping the names in ``rejected``."""
+    names = sorted((n for n in store.list_dir(store.root) if step_of(n) is not None and n not in rejected),
+                   reverse=True)
     for name in names:
         manifest, problem = verify(store, store.path(name), checksums)
         if problem is None and manifest is not None:

@@ -5,17 +5,28 @@ their unwrapped parameter names (``torch.distributed.checkpoint.state_dict``), s
 checkpoint written under DDP loads under FSDP or another world size, and each rank's
 RNG states under a per-rank key. Small identical-on-every-rank values (scheduler,
 scaler, counters, data position) travel as JSON written by rank 0.
+
+Nothing here unpickles: RNG states are JSON, and the non-tensor entries DCP stores
+(hyperparameters, counters) are read with ``torch.load(weights_only=True)``, which builds
+only plain values and tensors. DCP's own ``.metadata`` file is still a pickle, so a
+checkpoint from an untrusted source must be treated as code.
 """
 
 from __future__ import annotations
 
-import pickle
+import base64
+import io
+import json
 import random
+import warnings
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, _flatten_optim_state_dict,
                                                      _init_optim_state, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -54,21 +65,38 @@ def rng_key(rank: int) -> str:
     return f"rng.rank{rank}"
 
 
-# Pickled generator states vary in length (Python's ints pickle to 4 or more bytes), but
-# DCP loads into a tensor of the saved shape, so the blob has a fixed size: an 8-byte
-# length followed by the pickle and zero padding.
+# Generator states as JSON vary in length, but DCP loads into a tensor of the saved shape,
+# so the blob has a fixed size: an 8-byte length, the UTF-8 JSON, zero padding (about 22
+# KB are used: 625 + 624 integers of the Mersenne twisters, 5 KB of torch state in base64).
 RNG_BLOB_BYTES = 64 * 1024
+RNG_FORMAT = "meshyard-rng-json-1"
+
+
+def _rng_states() -> dict[str, Any]:
+    """This process's generator states as JSON values (JSON floats round-trip exactly)."""
+    version, internal, gauss_next = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {
+        "format": RNG_FORMAT,
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": _b64(torch.get_rng_state()),
+        "cuda": [_b64(state) for state in cuda],
+    }
+
+
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def capture_rng() -> torch.Tensor:
     """Python, NumPy, torch and CUDA generator states of this process as a byte tensor."""
-    states = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    payload = pickle.dumps(states)
+    payload = json.dumps(_rng_states()).encode()
     if len(payload) + 8 > RNG_BLOB_BYTES:
         raise ValueError(f"RNG state of {len(payload)} bytes exceeds the {RNG_BLOB_BYTES}-byte slot")
     blob = torch.zeros(RNG_BLOB_BYTES, dtype=torch.uint8)
@@ -77,14 +105,45 @@ def capture_rng() -> torch.Tensor:
     return blob
 
 
-def restore_rng(blob: torch.Tensor) -> None:
+def restore_rng(blob: torch.Tensor) -> bool:
+    """Set this process's generators from ``capture_rng``'s blob. A blob in another format
+    (an older checkpoint held a pickle here) is never unpickled: it is reported and
+    False is returned, so the caller reseeds instead."""
     raw = blob.numpy().tobytes()
-    states = pickle.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
+    try:
+        states = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")].decode())
+        if not isinstance(states, dict) or states.get("format") != RNG_FORMAT:
+            raise ValueError(f"format {states.get('format') if isinstance(states, dict) else None!r}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        warnings.warn(f"the checkpoint's RNG state is not in {RNG_FORMAT} format ({exc}); it was not "
+                      "loaded and the random generators are reseeded", stacklevel=2)
+        return False
+    python = states["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
+    numpy = states["numpy"]
+    np.random.set_state(("MT19937", np.array(numpy["keys"], dtype=np.uint32), numpy["pos"], numpy["has_gauss"],
+                         numpy["cached"]))
+    torch.set_rng_state(_from_b64(states["torch"]))
     if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state_all([_from_b64(state) for state in states["cuda"]])
+    return True
+
+
+class SafeBytesMixin:
+    """For DCP load planners: read non-tensor entries with ``weights_only=True`` (DCP's
+    default unpickles them with ``weights_only=False``, which can run code). Meshyard's
+    non-tensor entries are numbers, strings, booleans and containers of them."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded  # type: ignore[attr-defined]
+
+
+class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):
+    """DCP's default load planner without unpickling of non-tensor entries."""
 
 
 def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
@@ -126,7 +185,4 @@ def load_tensor_state(
     for name, obj in (extra or {}).items():
         if f"{name}.rank{rank}" in state:
             obj.load_state_dict(state[f"{name}.rank{rank}"])
-    if rng_key(rank) in state:
-        restore_rng(state[rng_key(rank)])
-        return True
-    return False
+    return rng_key(rank) in state and restore_rng(state[rng_key(rank)])

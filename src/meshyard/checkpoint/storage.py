@@ -1,9 +1,13 @@
-"""Checkpoint storage on a local path or any fsspec URL (s3://, gs://, memory://, file://).
+"""Checkpoint storage on a local path or an fsspec URL (s3://, memory://, file://).
 
 Publishing differs by kind of storage. A local directory is written under a temporary
 name and renamed into place, which is atomic. Object stores have no atomic rename of a
 prefix, so there a checkpoint is written in place and becomes valid only when its
 manifest, written last, appears. Readers trust nothing without a verified manifest.
+
+Storage options may come from a recorded config whose credentials were redacted: those
+entries are left out here, so fsspec takes credentials from its usual sources instead
+(environment variables, ~/.aws/credentials, instance roles, gcloud defaults).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from meshyard.checkpoint.digests import DigestingFileSystemWriter, DigestingFsspecWriter
+from meshyard.config.dump import REDACTED
+
 
 class CheckpointStorageError(OSError):
     """Reading or writing checkpoint storage failed; the message names the path and the cause."""
@@ -30,7 +37,7 @@ class CheckpointStore:
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = root
-        self.options = dict(storage_options or {})
+        self.options = usable_options(storage_options or {})
         self.fs, self.root = fsspec.core.url_to_fs(root, **self.options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
 
@@ -44,10 +51,11 @@ class CheckpointStore:
         return f"{self.url.rstrip('/')}/{name}"
 
     # small files -----------------------------------------------------------------
-    def write_text(self, path: str, text: str) -> None:
-        """Write a small file so readers see either the old or the new content."""
+    def write_text(self, path: str, text: str, tag: str = "") -> None:
+        """Write a small file so readers see either the old or the new content. ``tag``
+        goes into the temporary file's name (a run id: each run cleans up only its own)."""
         if self.is_local:
-            tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            tmp = f"{path}.{tag + '.' if tag else ''}{uuid.uuid4().hex[:8]}.tmp"
             with open(tmp, "w") as handle:
                 handle.write(text)
                 handle.flush()
@@ -102,10 +110,17 @@ class CheckpointStore:
         return self.fs.open(path, mode)
 
     # DCP ---------------------------------------------------------------------------
-    def dcp_writer(self, path: str) -> StorageWriter:
+    def dcp_writer(self, path: str, rank: int | None = None) -> StorageWriter:
+        """A DCP writer into ``path``; with ``rank``, one that also records the checksums
+        of the files this rank wrote (see ``digests``)."""
+        if rank is None:
+            local, remote, extra = FileSystemWriter, FsspecWriter, {}
+        else:
+            local, remote = DigestingFileSystemWriter, DigestingFsspecWriter
+            extra = {"store": self, "directory": path, "rank": rank}
         if self.is_local:
-            return FileSystemWriter(path, sync_files=True)
-        return FsspecWriter(self._url_for(path), sync_files=True, **self.options)
+            return local(path, sync_files=True, **extra)
+        return remote(self._url_for(path), sync_files=True, **extra, **self.options)
 
     def dcp_reader(self, path: str) -> StorageReader:
         if self.is_local:
@@ -115,6 +130,12 @@ class CheckpointStore:
     def _url_for(self, path: str) -> str:
         protocol = self.fs.protocol[0] if isinstance(self.fs.protocol, (tuple, list)) else self.fs.protocol
         return path if "://" in path else f"{protocol}://{path.lstrip('/') if protocol != 'memory' else path}"
+
+
+def usable_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without redacted entries (at any depth), which fsspec must not receive."""
+    return {key: usable_options(value) if isinstance(value, dict) else value
+            for key, value in options.items() if value != REDACTED}
 
 
 def _fsync_dir(path: str) -> None:

@@ -12,7 +12,13 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from meshyard.checkpoint.manager import LATEST, step_of
 from meshyard.checkpoint.manifest import MANIFEST, verify
+from meshyard.checkpoint.state import SafeBytesMixin
 from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.extras import require
+
+
+class _SafeFullStatePlanner(SafeBytesMixin, _EmptyStateDictLoadPlanner):
+    """Loads every entry of a checkpoint, non-tensor entries without unpickling code."""
 
 
 class CheckpointToolError(ValueError):
@@ -73,7 +79,7 @@ def read_full_state(ref: CheckpointRef) -> dict[str, Any]:
     """Every entry of a DCP checkpoint as full (unsharded) tensors in this process."""
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=ref.store.dcp_reader(ref.store.path(ref.name)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+                     planner=_SafeFullStatePlanner(), no_dist=True)
     return state
 
 
@@ -83,15 +89,16 @@ def model_state(ref: CheckpointRef) -> dict[str, torch.Tensor]:
 
 
 def export(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print) -> Path:
-    """Write the model as one file: ``.safetensors`` or a ``torch.save`` state dict (other suffixes)."""
+    """Write the model as one file: ``.safetensors`` or a ``torch.save`` state dict (other
+    suffixes; tensors only, so ``torch.load(path, weights_only=True)`` reads it)."""
+    if out.suffix == ".safetensors":  # before reading anything: the package is an optional extra
+        save_file = require("safetensors.torch", "exporting to .safetensors").save_file
     manifest, problem = verify(ref.store, ref.store.path(ref.name))
     if problem:
         raise CheckpointToolError(f"{ref.store.url_of(ref.name)} is not valid: {problem}")
     tensors = {k: v.contiguous() for k, v in model_state(ref).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
         # Tied weights come back as separate tensors with equal values, which
         # safetensors accepts; metadata keeps the step for provenance.
         save_file(tensors, str(out), metadata={"step": str(manifest["step"]), "format": "pt"})

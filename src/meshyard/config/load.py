@@ -20,6 +20,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from meshyard.config.sections import SECTIONS, Config
+from meshyard.runtime.devices import default_nproc, visible_gpu_count
 
 
 class ConfigError(ValueError):
@@ -89,7 +90,19 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError([f"config file '{path}' does not exist"], "config file")
     try:
-        return tomllib.loads(path.read_text())
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"config file '{path}' cannot be read: {exc.strerror or exc}"], "config file") from None
+    try:
+        # Decoded here rather than by read_text(): TOML is UTF-8 by definition, whatever the locale.
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError([
+            f"{path}, line {line}: byte 0x{data[exc.start]:02x} is not UTF-8; TOML files must be UTF-8, so "
+            "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"], "config file") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path} is not valid TOML: {exc}"], "config file") from None
 
@@ -182,7 +195,15 @@ def collect_config(path: str | Path | None = None, overrides: Iterable[str] = ()
             continue
         nested.setdefault(section, {})[name] = value
     merge(config, nested, "command line", problems)
+    resolve_nproc(config)
     return config, problems
+
+
+def resolve_nproc(config: Config) -> None:
+    """Replace ``run.nproc = 0`` by this machine's default (one process per visible GPU when
+    the run uses CUDA, else 2), so every reader sees the number of processes that will run."""
+    if config.run.nproc == 0:
+        config.run.nproc = default_nproc(config.run.device, visible_gpu_count())
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:

@@ -48,7 +48,6 @@ class DataConfig:
         "dataset builder as 'module:function' / 'file.py:function'.",
     )
     paths: list = option([], "Files or glob patterns for the 'text' and 'tokens' sources.")
-    tokenizer: Literal["byte"] = option("byte", "Tokenizer for text sources: 'byte' (256 symbols, lossless).")
     token_dtype: Literal["uint8", "uint16", "uint32", "int32", "int64"] = option(
         "uint16", "Element type of raw .bin token files."
     )
@@ -157,6 +156,9 @@ class PrecisionConfig:
         "auto", "Compute precision; 'auto' is bf16 on GPUs that support it and fp32 on CPU."
     )
     reduce_fp32: bool = option(True, "fsdp: reduce gradients in fp32 even when computing in bf16/fp16.")
+    loss_scale_growth_interval: int = option(
+        2000, "fp16: steps without inf/NaN gradients before the loss scale doubles (it halves on one that has them)."
+    )
 
 
 @dataclass
@@ -186,8 +188,14 @@ class CheckpointConfig:
     interval: int = option(100, "Save every this many steps; 0 disables step-based saving.")
     interval_minutes: float = option(0.0, "Also save when this many minutes passed since the last save; 0 disables.")
     save_final: bool = option(True, "Save at the end of the run.")
-    dir: str = option("", "Local path or fsspec URL (s3://, gs://, memory://); empty uses <run dir>/checkpoints.")
-    storage_options: dict = option({}, "fsspec options for remote storage, e.g. { endpoint_url = '...' } for S3.")
+    dir: str = option("", "Local path or fsspec URL (s3:// with meshyard[s3], memory://); empty uses <run dir>/checkpoints.")
+    storage_options: dict = option(
+        {}, "fsspec options for remote storage, e.g. { client_kwargs = { endpoint_url = '...' } } for S3. "
+        "Credential-like entries (key, secret, token, password, ...) are recorded as '<redacted>' in config.toml "
+        "and manifests; a run started from such a record takes credentials from the environment or fsspec's "
+        "usual sources (AWS_ACCESS_KEY_ID, ~/.aws/credentials, GOOGLE_APPLICATION_CREDENTIALS, ...).",
+        secret_entries=True,
+    )
     keep_last: int = option(2, "Newest committed checkpoints to keep; older ones go after a newer one commits.")
     keep_best: bool = option(True, "Also keep the checkpoint with the lowest evaluation loss.")
     async_save: bool = option(True, "Write in the background while training continues (at most one in flight).")
@@ -203,6 +211,10 @@ class FaultConfig:
     signals: list = option(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that mean 'save and stop' (on any rank).")
     hang_timeout_s: float = option(300.0, "Dump every rank's stacks when no step completes for this long; 0 disables.")
     hang_abort: bool = option(False, "After a hang dump, exit so an elastic restart (fault.max_restarts) can recover.")
+    collective_timeout_s: float = option(
+        600.0, "Seconds a collective (and the start-up rendezvous) waits for the slowest rank before failing; "
+        "raise it when ranks may legitimately wait longer, e.g. verifying large checkpoints on slow storage.",
+    )
     on_nonfinite: Literal["warn", "stop"] = option(
         "warn", "A NaN/inf loss or gradient norm: 'warn' (report step and rank, go on) or 'stop' the run."
     )
@@ -232,8 +244,15 @@ class RunConfig:
     name: str = option("meshyard", "Run name; the run directory is <dir>/<name>-<timestamp>.")
     dir: str = option("runs", "Parent folder of run directories.")
     run_dir: str = option("", "Exact run directory to use (overrides dir/name); reused if it exists.")
-    nproc: int = option(2, "Local worker processes started by 'meshyard run' (ignored under torchrun/Slurm).")
+    nproc: int = option(
+        0, "Local worker processes started by 'meshyard run' (ignored under torchrun/Slurm); 0 starts one per "
+        "visible GPU when the run uses CUDA, else 2.",
+    )
     device: Literal["auto", "cpu", "cuda"] = option("auto", "Device: 'auto' picks CUDA when present, else CPU.")
+    share_gpus: bool = option(
+        False, "Let several ranks compute on one GPU (more ranks than GPUs); their collectives then go through "
+        "gloo, since NCCL refuses two ranks on one GPU: slow, for trying a layout only.",
+    )
     threads_per_rank: int = option(1, "CPU threads per rank (torch.set_num_threads); 0 leaves torch's default.")
 
 

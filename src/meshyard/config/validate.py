@@ -12,6 +12,7 @@ from typing import Iterable
 
 from meshyard.config.load import ConfigError, collect_config, did_you_mean
 from meshyard.config.sections import Config
+from meshyard.extras import config_problems
 from meshyard.models.registry import MODEL_NAMES
 from meshyard.plugins import is_custom_reference
 from meshyard.runtime.parallel_dims import ParallelDims, ParallelDimsError
@@ -76,12 +77,16 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
     need(o.reference_batch >= 1, f"optim.reference_batch = {o.reference_batch} must be at least 1")
 
     need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb = {cfg.parallel.bucket_mb} must be positive")
+    need(cfg.precision.loss_scale_growth_interval >= 1,
+         f"precision.loss_scale_growth_interval = {cfg.precision.loss_scale_growth_interval} must be at least 1")
     _check_comm(cfg, problems)
     need(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must not be negative")
     need(cfg.checkpoint.interval_minutes >= 0,
          f"checkpoint.interval_minutes = {cfg.checkpoint.interval_minutes} must not be negative")
     need(cfg.fault.max_restarts >= 0, f"fault.max_restarts = {cfg.fault.max_restarts} must not be negative")
     need(cfg.fault.grace_period_s > 0, f"fault.grace_period_s = {cfg.fault.grace_period_s} must be positive")
+    need(cfg.fault.collective_timeout_s > 0,
+         f"fault.collective_timeout_s = {cfg.fault.collective_timeout_s} must be positive")
     for name in cfg.fault.signals:
         if name not in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"):
             problems.append(f"fault.signals: '{name}' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP")
@@ -93,7 +98,7 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
     need(0 <= cfg.metrics.prometheus_port < 65536,
          f"metrics.prometheus_port = {cfg.metrics.prometheus_port} is not a port number (0-65535)")
     need(cfg.fault.hang_timeout_s >= 0, f"fault.hang_timeout_s = {cfg.fault.hang_timeout_s} must not be negative")
-    need(cfg.run.nproc >= 1, f"run.nproc = {cfg.run.nproc} must be at least 1")
+    need(cfg.run.nproc >= 0, f"run.nproc = {cfg.run.nproc} must not be negative (0 starts one per visible GPU)")
     need(cfg.run.threads_per_rank >= 0, f"run.threads_per_rank = {cfg.run.threads_per_rank} must not be negative")
 
 
@@ -172,6 +177,7 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
     """Check ``cfg`` for a job of ``world_size`` ranks; raise one ``ConfigError`` listing all problems."""
     problems: list[str] = list(earlier_problems)
     _check_ranges(cfg, problems)
+    problems.extend(config_problems(cfg.metrics, cfg.checkpoint))
     dims = batch = None
     p = cfg.parallel
     for key in ("dp_replicate", "dp_shard"):

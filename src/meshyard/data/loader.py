@@ -1,4 +1,8 @@
-"""Datasets and the stateful, sharded loaders the Trainer consumes."""
+"""Datasets and the sharded, resumable loaders the Trainer consumes.
+
+The loader needs no state of its own: the batch sampler indexes samples by global step,
+so a resume only tells it the step to start at (``DataBundle.seek``).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from meshyard.config.sections import DataConfig
 from meshyard.data.corpus import DataSourceError, load_corpus
@@ -36,9 +39,9 @@ class TokenWindows(Dataset):
 
 @dataclass
 class DataBundle:
-    """What a run needs from its data: the stateful training loader and evaluation batches."""
+    """What a run needs from its data: the training loader and evaluation batches."""
 
-    train_loader: StatefulDataLoader
+    train_loader: DataLoader
     val_dataset: Dataset | None
     vocab_size: int
     description: str
@@ -81,10 +84,19 @@ def custom_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset | None, int, str]
     return train, val, vocab, f"custom dataset {cfg.source}: {len(train):,} training samples"
 
 
+def pins_memory(device: torch.device | None) -> bool:
+    """Whether batches bound for ``device`` are collated into page-locked memory: only for
+    CUDA, where it lets the trainer's non-blocking host-to-device copies overlap compute
+    (from pageable memory such a copy is synchronous); elsewhere pinning only costs."""
+    return device is not None and device.type == "cuda"
+
+
 def build_data(
-    cfg: DataConfig, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int
+    cfg: DataConfig, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int,
+    device: torch.device | None = None,
 ) -> DataBundle:
-    """The training loader for one data-parallel rank and the held-out split."""
+    """The training loader for one data-parallel rank and the held-out split; batches for a
+    CUDA ``device`` come in pinned memory."""
     if is_custom_reference(cfg.source):
         train, val, vocab, description = custom_datasets(cfg)
     else:
@@ -94,6 +106,6 @@ def build_data(
     # A private generator: creating a loader iterator draws a seed from it, and drawing
     # from the global RNG instead would shift dropout masks after a resume.
     generator = torch.Generator().manual_seed(seed + dp_rank)
-    loader = StatefulDataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
-                                **extra)
+    loader = DataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
+                        pin_memory=pins_memory(device), **extra)
     return DataBundle(loader, val, vocab, description, len(train))

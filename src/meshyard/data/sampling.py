@@ -13,8 +13,6 @@ the ``r``-th contiguous slice of that range and cuts it into micro-batches. So:
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 
@@ -71,11 +69,7 @@ class GlobalBatchSampler:
 
 
 class SamplerIterator:
-    """Iterator over micro-batches whose position is a (step, micro-step) pair.
-
-    It implements ``state_dict``/``load_state_dict``, which torchdata's
-    ``StatefulDataLoader`` picks up, so the loader's state records the exact position.
-    """
+    """Iterator over micro-batches from the sampler's ``start_step`` on."""
 
     def __init__(self, sampler: GlobalBatchSampler) -> None:
         self.sampler = sampler
@@ -98,17 +92,6 @@ class SamplerIterator:
         if self.micro == s.micro_per_step:
             self.step, self.micro = self.step + 1, 0
         return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "micro": self.micro, "global_batch": self.sampler.global_batch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["global_batch"] != self.sampler.global_batch:
-            raise ValueError(
-                f"data position was saved with global batch {state['global_batch']}, "
-                f"this run uses {self.sampler.global_batch}"
-            )
-        self.step, self.micro = int(state["step"]), int(state["micro"])
 
 
 def eval_indices(num_samples: int, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> list[list[int]]:

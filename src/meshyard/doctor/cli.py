@@ -10,7 +10,6 @@ from pathlib import Path
 from rich.console import Console
 
 from meshyard.doctor.diagnose import DoctorError, diagnose
-from meshyard.doctor.report import write_report
 
 EXIT_BAD_INPUT = 2
 
@@ -52,6 +51,8 @@ def doctor_main(args: argparse.Namespace) -> int:
 
 
 def report_main(args: argparse.Namespace) -> int:
+    from meshyard.doctor.report import write_report  # needs matplotlib, an optional extra
+
     try:
         out = write_report(args.run_dir, args.out)
     except (DoctorError, OSError, ValueError) as exc:

@@ -8,8 +8,10 @@ import io
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from meshyard.extras import require
 
+# Imported by 'meshyard report' only, so the rest of the command line runs without it.
+matplotlib = require("matplotlib", "meshyard report")
 matplotlib.use("Agg")  # no display needed; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 

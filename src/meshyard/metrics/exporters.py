@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshyard.extras import require
+
 SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "samples_per_s",
            "mfu", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s", "rss_bytes",
            "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "comm_bytes", "compression_ratio")
@@ -20,7 +22,8 @@ class PrometheusExporter:
     """Serves ``meshyard_<figure>`` gauges on http://HOST:PORT/metrics (loopback by default)."""
 
     def __init__(self, run_dir: Path, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+        client = require("prometheus_client", "metrics.prometheus = true")
+        CollectorRegistry, Gauge = client.CollectorRegistry, client.Gauge
 
         self.registry = CollectorRegistry()
         self._gauges = {name: Gauge(f"meshyard_{name}", f"meshyard step figure {name}", registry=self.registry)
@@ -28,7 +31,7 @@ class PrometheusExporter:
         self._gauges["step"] = Gauge("meshyard_step", "last completed optimizer step", registry=self.registry)
         self._rank_gauges: dict[str, Any] = {}
         self._gauge_cls = Gauge
-        self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.server, self._thread = client.start_http_server(port, addr=host, registry=self.registry)
         self.url = f"http://{host}:{self.server.server_port}/metrics"
         # Where a scraper (or a test) finds the endpoint when the port was chosen by the OS.
         (run_dir / "prometheus.json").write_text(json.dumps({"url": self.url}))

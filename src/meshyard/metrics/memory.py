@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,19 +22,56 @@ def total_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class MemoryProbe:
-    """Reads this rank's memory once per step; NVML (nvidia-ml-py) when it is installed."""
+def nvml_handle(nvml: Any, cuda_uuid: str) -> Any:
+    """NVML's handle of the GPU that CUDA reports as ``cuda_uuid``.
 
-    def __init__(self, device: torch.device) -> None:
+    CUDA indices are not NVML indices: CUDA_VISIBLE_DEVICES and Slurm's GPU binding
+    renumber the devices a process sees, while NVML counts every GPU of the host, so
+    NVML index ``i`` can be another job's GPU. The UUID names the same device in both.
+    Torch prints it bare; NVML wants it prefixed ("GPU-", or "MIG-" for a MIG slice).
+    Older pynvml releases accept only bytes.
+    """
+    bare = cuda_uuid.removeprefix("GPU-").removeprefix("MIG-")
+    failure: Exception | None = None
+    for name in (f"GPU-{bare}", f"MIG-{bare}"):
+        for form in (name, name.encode()):
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(form)
+            except Exception as exc:  # NVMLError (not found) or TypeError (str refused)
+                failure = exc
+    raise LookupError(f"NVML knows no GPU with UUID {bare}: {failure}")
+
+
+# What NVML adds to each step's record; a figure the device does not support (MIG
+# slices have no utilisation or power of their own) is dropped after its first failure.
+NVML_FIGURES: dict[str, Callable[[Any, Any], float]] = {
+    "gpu_utilization_pct": lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+    "gpu_power_w": lambda nvml, handle: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+    "gpu_temperature_c": lambda nvml, handle: nvml.nvmlDeviceGetTemperature(handle, 0),
+}
+
+
+class MemoryProbe:
+    """Reads this rank's memory once per step; NVML (nvidia-ml-py) when it is installed.
+
+    ``nvml`` replaces the ``pynvml`` module (tests pass a fake).
+    """
+
+    def __init__(self, device: torch.device, nvml: Any = None) -> None:
         self.device = device
+        self._nvml = nvml
         self._nvml_handle = None
+        self._nvml_figures = dict(NVML_FIGURES)
         if device.type == "cuda":
             try:
-                import pynvml
+                if self._nvml is None:
+                    import pynvml
 
-                pynvml.nvmlInit()
-                self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            except Exception:  # no NVML library or no permission: the allocator figures remain
+                    self._nvml = pynvml
+                self._nvml.nvmlInit()
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                self._nvml_handle = nvml_handle(self._nvml, uuid)
+            except Exception:  # no NVML library, no permission, or GPU unknown: the allocator figures remain
                 self._nvml_handle = None
 
     @property
@@ -52,16 +89,17 @@ class MemoryProbe:
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
             "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
         }
-        if self._nvml_handle is not None:
-            import pynvml
-
-            figures["gpu_utilization_pct"] = pynvml.nvmlDeviceGetUtilizationRates(self._nvml_handle).gpu
-            figures["gpu_power_w"] = pynvml.nvmlDeviceGetPowerUsage(self._nvml_handle) / 1000.0
-            figures["gpu_temperature_c"] = pynvml.nvmlDeviceGetTemperature(self._nvml_handle, 0)
+        figures.update(self.nvml_figures())
         return figures
 
-    def peak_fraction(self) -> float:
-        """Peak memory of this rank as a share of the device's (or host's) capacity."""
-        figures = self.read()
-        peak = figures.get("gpu_peak_reserved_bytes", figures.get("peak_rss_bytes", 0))
-        return peak / self.capacity
+    def nvml_figures(self) -> dict[str, float]:
+        """Utilisation, power and temperature of this rank's GPU (empty without NVML)."""
+        figures: dict[str, float] = {}
+        if self._nvml_handle is None:
+            return figures
+        for name, read in list(self._nvml_figures.items()):
+            try:
+                figures[name] = read(self._nvml, self._nvml_handle)
+            except Exception:  # not supported on this device: stop asking every step
+                del self._nvml_figures[name]
+        return figures

@@ -13,7 +13,7 @@ import torch
 
 from meshyard.metrics.memory import MemoryProbe
 from meshyard.metrics.ranks import RankWindow
-from meshyard.metrics.timing import NullStepTimer, StepTimer
+from meshyard.metrics.timing import PHASES, NullStepTimer, StepTimer
 
 
 class StepMeter:
@@ -35,7 +35,7 @@ class StepMeter:
         figures: dict[str, Any] = self.timer.finish_step()
         if figures:
             # Whatever the phases do not cover (logging, checkpoint bookkeeping, Python).
-            figures["other_s"] = max(0.0, step_time - sum(figures.values()))
+            figures["other_s"] = max(0.0, step_time - sum(figures[f"{phase}_s"] for phase in PHASES))
             figures["busy_s"] = step_time - figures["comm_s"]
         figures.update(self.memory.read())
         if self.flops_per_token and self.peak_flops:

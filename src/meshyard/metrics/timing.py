@@ -1,7 +1,8 @@
 """Where each step's time goes: data, forward, backward, exposed communication, optimizer.
 
 On CPU the phases are wall-clock intervals; on GPU they are CUDA events, read once per
-step after the step's own synchronisation (the loss all-reduce), so timing adds no sync.
+step after the step's own synchronisation (the loss all-reduce); reading waits only for
+the events recorded after it, so timing adds no stall inside the step.
 
 Communication overlapped with backward costs nothing and is not counted; what is counted
 is the *exposed* part. Under DDP a comm hook records when each gradient bucket is handed
@@ -62,6 +63,7 @@ class FSDPWaitTracker:
     def __init__(self) -> None:
         self.waited = 0.0
         self._start = 0.0
+        self.attached = False  # whether any FSDP unit carries the hooks
 
     def attach(self, model: torch.nn.Module) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -70,6 +72,7 @@ class FSDPWaitTracker:
             if isinstance(module, FSDPModule):
                 module.register_forward_pre_hook(self._before, prepend=True)
                 module.register_forward_pre_hook(self._after)
+                self.attached = True
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
         self._start = time.perf_counter()
@@ -80,13 +83,6 @@ class FSDPWaitTracker:
     def take(self) -> float:
         waited, self.waited = self.waited, 0.0
         return waited
-
-
-def default_allreduce_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP's own averaging all-reduce, as a Python hook so it can be timed."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    return allreduce_hook(state, bucket)
 
 
 class StepTimer:
@@ -101,11 +97,13 @@ class StepTimer:
         self.fsdp = FSDPWaitTracker()
         self.comm = comm or CommTracker(self.cuda)
         self._totals: dict[str, float] = {}
+        self._allgather_wait = 0.0  # the part of comm that FSDP's forward all-gathers exposed
         self._events: list[tuple[str, Any, Any]] = []
         self._exposed_events: list[tuple[Any, Any]] = []
 
     def start_step(self) -> None:
         self._totals = dict.fromkeys(PHASES, 0.0)
+        self._allgather_wait = 0.0
         self._events.clear()
         self._exposed_events.clear()
         self.comm.reset()
@@ -131,6 +129,7 @@ class StepTimer:
             waited = self.fsdp.take()  # FSDP all-gather waits inside this forward
             self._totals["forward"] -= waited
             self._totals["comm"] += waited
+            self._allgather_wait += waited
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -151,14 +150,33 @@ class StepTimer:
             self._totals["comm"] += exposed
 
     def finish_step(self) -> dict[str, float]:
-        """Seconds per phase for the step just finished (call after the step synchronised)."""
+        """Seconds per phase for the step just finished (call after the step synchronised);
+        with FSDP's wait tracker attached also ``allgather_wait_s``, the part of ``comm_s``
+        spent waiting for forward all-gathers (a detail of ``comm_s``, not one more phase)."""
         for name, begin, end in self._events:
-            self._totals[name] += begin.elapsed_time(end) / 1000.0
+            self._totals[name] += _seconds_between(begin, end)
         for launch, end in self._exposed_events:
-            exposed = max(0.0, launch.elapsed_time(end) / 1000.0)
+            exposed = max(0.0, _seconds_between(launch, end))
             self._totals["backward"] -= exposed
             self._totals["comm"] += exposed
-        return {f"{phase}_s": value for phase, value in self._totals.items()}
+        figures = {f"{phase}_s": value for phase, value in self._totals.items()}
+        if self.fsdp.attached:
+            figures["allgather_wait_s"] = self._allgather_wait
+        return figures
+
+
+def _seconds_between(begin: Any, end: Any) -> float:
+    """Seconds between two recorded CUDA events.
+
+    ``elapsed_time`` fails unless both events have completed, and the step's own
+    synchronisation (the loss read) happens before the last event is recorded (the end
+    of the "comm" phase), so the host waits for both first. The step's work is done by
+    then, so the wait is short; a bucket-launch event may sit on another stream than
+    ``end``, hence the wait on ``begin`` too.
+    """
+    begin.synchronize()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000.0
 
 
 class NullStepTimer:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from meshyard.extras import require
 from meshyard.plan.hardware import Cluster
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.search import Candidate, PlanRequest, plan
@@ -85,8 +86,7 @@ def _with_efficiency(points: list[ScalePoint]) -> list[ScalePoint]:
 
 def plot_scale(result: ScaleResult, path: str | Path, title: str = "") -> Path:
     """Write a PNG: throughput against GPUs (with the linear ideal) and efficiency."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "the plot of 'meshyard plan --scale'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

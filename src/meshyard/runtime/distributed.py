@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshyard.config.load import ConfigError
+from meshyard.runtime.devices import process_group_backend, shared_gpu_groups, sharing_message
 from meshyard.runtime.environment import ClusterEnvironment
 
 
@@ -30,6 +32,12 @@ class Runtime:
 
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
+    """This rank's device: CUDA device ``local_rank`` modulo the visible ones, else the CPU.
+
+    The modulo keeps per-task GPU binding working (Slurm ``--gpus-per-task=1`` shows each
+    task one GPU whatever its local rank); ranks that land on one GPU this way are found
+    by ``init_distributed``, which compares the GPUs' UUIDs across the job.
+    """
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("run.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
@@ -39,28 +47,53 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(
-    env: ClusterEnvironment | None, device_request: str, threads_per_rank: int, timeout_s: float = 600.0
+    env: ClusterEnvironment | None, device_request: str, threads_per_rank: int, timeout_s: float = 600.0,
+    share_gpus: bool = False,
 ) -> Runtime:
     """Join the job's process group (a one-rank group when ``env`` is None).
 
     On CPU each rank is limited to ``threads_per_rank`` threads: ranks sharing a machine
     otherwise oversubscribe its cores and every collective waits for the slowest one.
+    Ranks that would share a GPU raise ``ConfigError`` unless ``share_gpus`` allows it.
     """
     rank, world, local_rank = (env.rank, env.world_size, env.local_rank) if env else (0, 1, 0)
     device = choose_device(device_request, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu" and threads_per_rank:
         torch.set_num_threads(threads_per_rank)
-    store = None
-    if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
-        # A single process needs no rendezvous: an in-memory store suffices.
-        store = dist.HashStore() if env is None else _job_store(env, timeout)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+    if dist.is_initialized():
+        return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device,
+                       backend=str(dist.get_backend()))
+    timeout = timedelta(seconds=timeout_s)
+    # A single process needs no rendezvous: an in-memory store suffices.
+    store = dist.HashStore() if env is None else _job_store(env, timeout)
+    shared = False
+    if device.type == "cuda" and world > 1:
+        gpu = str(torch.cuda.get_device_properties(device).uuid)
+        shared = ranks_share_gpus(store, rank, world, gpu, share_gpus)
+    backend = process_group_backend(device.type, shared)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout,
+        # Binding the device starts NCCL at once; gloo alone (shared GPUs) needs no binding.
+        device_id=device if "nccl" in backend else None,
+    )
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend, store=store)
+
+
+def ranks_share_gpus(store: dist.Store, rank: int, world: int, gpu_uuid: str, allowed: bool) -> bool:
+    """Whether two ranks of the job compute on one GPU, given this rank's GPU UUID
+    (raises ``ConfigError`` unless ``allowed``).
+
+    Every rank publishes its GPU's UUID in the job store before the process group starts,
+    so every rank reaches the same verdict, and before NCCL would refuse the job with a
+    message that names no fix. UUIDs, not indices: CUDA_VISIBLE_DEVICES and scheduler
+    binding renumber devices per process.
+    """
+    store.set(f"gpu_uuid/{rank}", gpu_uuid)
+    uuids = [store.get(f"gpu_uuid/{other}").decode() for other in range(world)]
+    groups = shared_gpu_groups(uuids)
+    if groups and not allowed:
+        raise ConfigError([sharing_message(groups)], "launch")
+    return bool(groups)
 
 
 _JOINS = 0

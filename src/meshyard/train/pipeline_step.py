@@ -12,6 +12,14 @@ those ranks. Each step also measures, per rank, the time its stages spent comput
 (forward and backward chunks) against the wall time of the schedule: the rest is the
 pipeline bubble plus communication waits, reported beside the schedule's theoretical
 bubble ``(p - 1) / (m + p - 1)`` (divided by the virtual stages for interleaving).
+Stage time is wall-clock on CPU and CUDA events on GPU, where a chunk's kernels are
+still running when its Python call returns.
+
+fp16: the loss of each micro-batch is multiplied by the gradient scaler's factor inside
+the schedule's loss function, so the backward the schedule runs from it produces scaled
+gradients on every stage, which the Trainer unscales before clipping. The scaler's
+inf/NaN finding is all-reduced over all ranks (``ShardedGradScaler``), so a stage that
+overflows makes every stage skip the step and lower the scale alike.
 """
 
 from __future__ import annotations
@@ -47,23 +55,61 @@ def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> f
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
-class _ComputeClock:
-    """Adds up the time a stage spends in its forward and backward chunks."""
+class StageClock:
+    """Adds up the time a stage spends in its forward and backward chunks.
 
-    def __init__(self) -> None:
+    On CPU a chunk's time is the wall-clock time of its call. On GPU the call only
+    queues kernels, so each chunk is bracketed by CUDA events on the compute stream
+    instead; they are read in ``settle`` after the last one has completed.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
         self.seconds = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "StageClock":
+        """CUDA events for stages on a GPU, wall-clock time otherwise."""
+        return cls(device.type == "cuda")
 
     def wrap(self, stage: PipelineStage) -> None:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage, name, self._timed(getattr(stage, name)))
 
+    def now(self) -> Any:
+        """A point in time: ``perf_counter`` seconds on CPU, a recorded CUDA event on GPU."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` (both from ``now``); on GPU waits for ``end``."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # elapsed_time needs both events to have completed
+        return start.elapsed_time(end) / 1000.0
+
+    def settle(self) -> float:
+        """Total chunk seconds so far, including chunks whose events were still pending."""
+        for start, end in self._pending:
+            self.seconds += self.elapsed(start, end)
+        self._pending.clear()
+        return self.seconds
+
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.now()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                end = self.now()
+                if self.cuda:
+                    self._pending.append((start, end))  # read once per step, not per chunk
+                else:
+                    self.seconds += end - start
         return run
 
 
@@ -81,13 +127,13 @@ class PipelineStep:
         self.virtual_stages = len(model.stages)
         self.holds_loss = model.has_last
         self.tied_group = tied_group
-        self.clock = _ComputeClock()
+        self.clock = StageClock.for_device(device)
         stages = []
         for index, module in model.stages:
             stage = PipelineStage(module, index, model.n_stages, device, group=pp_group)
             self.clock.wrap(stage)
             stages.append(stage)
-        self._loss_scale = 1.0
+        self._loss_factor: torch.Tensor | float = 1.0
         cls = SCHEDULES[schedule]
         # Gradients are scaled in the loss (not by the schedule) so that several passes
         # per optimizer step accumulate correctly.
@@ -109,10 +155,13 @@ class PipelineStep:
         return self.model.norm_duplicates()
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(logits, targets) * self._loss_scale
+        """The schedule's loss function; backward starts from its result."""
+        return next_token_loss(logits, targets) * self._loss_factor
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
         """One pass of the schedule; returns the mean unscaled loss (0 off the last stage)."""
+        # The schedule's own list, not values seen by ``_loss``: on its first pass the
+        # schedule also calls the loss function on placeholder outputs to infer shapes.
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.model.has_first else ()
         target = targets if self.holds_loss else None
@@ -123,18 +172,23 @@ class PipelineStep:
                 self.schedule.eval(*args, target=target, losses=losses)
         if not losses:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum() / (self._loss_scale * len(losses))
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / (self._loss_factor * len(losses))
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         accum = len(micro_batches)
-        self._loss_scale = 1.0 / (self.microbatches * accum)
-        start, compute_start = time.perf_counter(), self.clock.seconds
+        # Each micro-batch's share of the mean loss, times the fp16 loss scale (1 when the
+        # scaler is off). Scaling a one on every rank also creates the scale on stages
+        # without the loss, which the Trainer's unscale_ needs there too.
+        scale = self.precision.scaler.scale(torch.ones((), device=self.device))
+        self._loss_factor = scale / (self.microbatches * accum)
+        compute_start = self.clock.settle()
+        start = self.clock.now()
         loss_sum = torch.zeros((), device=self.device)
         for inputs, targets in micro_batches:
             loss_sum += self._run(inputs, targets, train=True)
         sync_tied_grads(self.model, self.tied_group)
-        wall = time.perf_counter() - start
-        compute = self.clock.seconds - compute_start
+        wall = self.clock.elapsed(start, self.clock.now())
+        compute = self.clock.settle() - compute_start
         self._stats = {
             "pp_compute_s": compute, "pp_wall_s": wall,
             "pp_idle_fraction": max(0.0, 1.0 - compute / wall) if wall > 0 else 0.0,
@@ -158,7 +212,7 @@ class PipelineStep:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self._loss_scale = 1.0
+        self._loss_factor = 1.0
         return self._run(inputs, targets, train=False)
 
     def phase_split(self) -> dict[str, float]:

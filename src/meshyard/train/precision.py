@@ -37,11 +37,13 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
 
-def build_precision(dtype: torch.dtype, device: torch.device, sharded_grads: bool, model_casts: bool) -> Precision:
+def build_precision(dtype: torch.dtype, device: torch.device, sharded_grads: bool, model_casts: bool,
+                    growth_interval: int = 2000) -> Precision:
     """``model_casts``: FSDP casts through its mixed-precision policy, so no autocast.
     ``sharded_grads``: gradients are split over ranks (FSDP, TP, pipeline stages), so
-    the scaler must agree on inf/NaN across ranks (an all-reduce of its finding)."""
+    the scaler must agree on inf/NaN across ranks (an all-reduce of its finding).
+    ``growth_interval``: clean fp16 steps before the loss scale doubles."""
     scaler_cls = ShardedGradScaler if sharded_grads else GradScaler
-    scaler = scaler_cls(device.type, enabled=dtype == torch.float16)
+    scaler = scaler_cls(device.type, growth_interval=growth_interval, enabled=dtype == torch.float16)
     use_autocast = dtype != torch.float32 and not model_casts
     return Precision(dtype=dtype, device_type=device.type, use_autocast=use_autocast, scaler=scaler)

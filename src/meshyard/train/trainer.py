@@ -334,6 +334,7 @@ class Trainer:
         for outcome in outcomes[self._outcomes_seen:]:
             figures["checkpoint_step"] = outcome.step
             figures["checkpoint_s"] = outcome.seconds
+            figures["checkpoint_commit_s"] = outcome.commit_s  # rank 0's; in the background when async
             if outcome.error:
                 figures["checkpoint_error"] = outcome.error
         self._outcomes_seen = len(outcomes)

@@ -1,0 +1,249 @@
+"""Build a model on the meta device and record how each of its tensors gets its value.
+
+Under FSDP and pipelining no rank needs the whole model, yet every rank must start from
+exactly the weights that a one-process build with the same seed makes: parity with one
+process is meshyard's standard of correctness, and losses must not change because a
+layout changed. A fresh initialisation per parameter name would give the right
+distribution but other numbers, so instead the model's own initialisation is replayed.
+
+``record_build`` runs the unchanged builder with uninitialised allocations
+(``torch.empty``, what every ``torch.nn`` layer uses) sent to the meta device, and
+records, per tensor, the in-place operations that initialise it. A random draw is
+recorded with the generator state it starts from, and is also made once on a scratch
+tensor of the same shape (one tensor at a time) so that the generator advances exactly
+as in a build on the device: later draws, and whatever runs after the build, see the
+same random numbers. ``InitRecord.compute(name)`` later replays one tensor's operations
+into a fresh full tensor; the parallel layout keeps only its own shard of it.
+
+The protocol a builder follows for this to work (``torch.nn`` layers, ``torch.nn.init``
+and meshyard's models do):
+
+1. tensors are allocated with ``torch.empty`` and then initialised in place
+   (``reset_parameters``, ``nn.init.*``, ``fill_``, ``mul_``, ``copy_`` from a real
+   tensor ...): these cost nothing until materialised;
+2. tensors created with their values (``nn.Parameter(torch.ones(d))``, a causal mask or
+   rotary table registered as a buffer) are computed on the device during the build and
+   kept as they are, so they should be small.
+
+Anything else raises ``DeferredInitError`` naming what was found, and the caller builds
+the model on the device instead: writes through views (``nn.Embedding(padding_idx=...)``
+zeroes one row), values computed from other deferred tensors (``nn.init.orthogonal_``),
+random draws from a private ``torch.Generator`` or into meta tensors that are not
+initialised in place, tensors that are never initialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+# Allocations whose contents are unspecified: the only ones that may be deferred freely.
+_UNINITIALISED = (aten.empty.memory_format, aten.empty_strided.default)
+# In-place operations that write every element regardless of the previous contents.
+_OVERWRITES = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default)
+
+
+class DeferredInitError(RuntimeError):
+    """The builder initialises the model in a way ``record_build`` cannot replay."""
+
+
+class InitStep(NamedTuple):
+    """One in-place operation on a tensor: ``func(tensor, *args, **kwargs)``; a random
+    one starts from ``rng_state`` (the device generator's state before it)."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng_state: torch.Tensor | None = None
+
+
+@dataclass
+class TensorInit:
+    """How to compute one full tensor: its layout, then its steps in order."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    steps: list[InitStep] = field(default_factory=list)
+
+
+@dataclass
+class InitRecord:
+    """The initial value of every parameter and buffer of a model built on meta, by name
+    (every name of a tied tensor), and the generator state a full build ends with."""
+
+    device: torch.device
+    tensors: dict[str, TensorInit]
+    end_state: torch.Tensor
+
+    def compute(self, name: str) -> torch.Tensor:
+        """The full initial value of tensor ``name``, as a build on the device makes it."""
+        init = self.tensors[name]
+        value = torch.empty_strided(init.size, init.stride, dtype=init.dtype, device=self.device)
+        generator = device_generator(self.device)
+        with torch.no_grad():
+            for step in init.steps:
+                if step.rng_state is not None:
+                    generator.set_state(step.rng_state)
+                step.func(value, *step.args, **step.kwargs)
+        return value
+
+    def restore_generator(self) -> None:
+        """Leave the device generator where a build on the device leaves it (replays moved it)."""
+        device_generator(self.device).set_state(self.end_state)
+
+
+def device_generator(device: torch.device) -> torch.Generator:
+    """The default generator that random initialisation on ``device`` draws from."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    raise DeferredInitError(f"random draws on {device.type} devices are not replayed")
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operation writes into (its mutable arguments)."""
+    found = []
+    for index, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[index] if index < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
+
+
+def _geometry(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype
+
+
+class _Entry(NamedTuple):
+    storage: Any  # held so that its address is not reused by another tensor during the build
+    geometry: tuple[Any, ...]
+    steps: list[InitStep]
+
+
+class _Recorder(TorchDispatchMode):
+    """Defers uninitialised allocations to meta and records in-place writes into them.
+
+    Entries are keyed by storage, not by tensor object: ``nn.Parameter(t)`` is a new
+    tensor object over the same storage as ``t``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.generator = device_generator(device)
+        self.entries: dict[int, _Entry] = {}
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A tensor laid out as ``like`` over one reused buffer: a fresh allocation per draw
+        would leave the host allocator's heap fragmented, as large as the whole model."""
+        span = (like.storage_offset() + sum((n - 1) * s for n, s in zip(like.shape, like.stride())) + 1) \
+            * like.element_size() if like.numel() else 0
+        if self._buffer.numel() < span:
+            self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed before the larger one
+            self._buffer = torch.empty(-(-span // 16) * 16, dtype=torch.uint8, device=self.device)
+        return self._buffer.view(like.dtype).as_strided(like.shape, like.stride(), like.storage_offset())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _UNINITIALISED and torch.device(kwargs.get("device") or "cpu").type == self.device.type:
+            return func(*args, **{**kwargs, "device": torch.device("meta")})
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        written = [t for t in _written(func, args, kwargs) if t.is_meta]
+        if written:
+            self._record_write(func, args, kwargs, written, seeded)
+        elif seeded and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs))):
+            raise DeferredInitError(f"{func} draws random numbers from a meta tensor that is not initialised in place")
+        result = func(*args, **kwargs)
+        if seeded and not written and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(result)):
+            raise DeferredInitError(f"{func} draws random numbers into a new tensor on the meta device")
+        return result
+
+    def _record_write(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], seeded: bool) -> None:
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if written != [target]:
+            raise DeferredInitError(f"{func} writes into a meta tensor through an out= argument")
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args[1:], kwargs))):
+            raise DeferredInitError(f"{func} computes a value from other tensors on the meta device "
+                                    "(e.g. nn.init.orthogonal_)")
+        if kwargs.get("generator") is not None:
+            raise DeferredInitError(f"{func} draws from its own torch.Generator, whose state is not recorded")
+        rng_state = None
+        if seeded:
+            rng_state = self.generator.get_state()
+            # The same draw a build on the device makes, so the generator ends where that build's does.
+            func(self._scratch(target), *args[1:], **kwargs)
+        self._append(target, InitStep(func, tuple(args[1:]), dict(kwargs), rng_state), seeded or func in _OVERWRITES)
+
+    def _append(self, target: torch.Tensor, step: InitStep, overwrites: bool) -> None:
+        storage = target.untyped_storage()
+        entry = self.entries.get(storage._cdata)
+        if entry is not None and entry.geometry != _geometry(target):
+            raise DeferredInitError("an initialisation writes into part of a tensor through a view "
+                                    "(e.g. nn.Embedding's padding_idx row)")
+        if overwrites:
+            # Whatever came before no longer matters.
+            self.entries[storage._cdata] = _Entry(storage, _geometry(target), [step])
+        elif entry is None:
+            # Modifies unspecified contents: no steps, so ``steps_of`` refuses the tensor.
+            self.entries[storage._cdata] = _Entry(storage, _geometry(target), [])
+        elif entry.steps:
+            entry.steps.append(step)
+
+    def steps_of(self, tensor: torch.Tensor) -> list[InitStep] | None:
+        """The steps that give ``tensor`` its full value, or None if nothing does."""
+        entry = self.entries.get(tensor.untyped_storage()._cdata)
+        if entry is None or entry.geometry != _geometry(tensor) or not entry.steps:
+            return None
+        return entry.steps
+
+
+def _collect(model: nn.Module, recorder: _Recorder) -> dict[str, TensorInit]:
+    """Every parameter and buffer's recipe by name; tensors built with values keep them."""
+    tensors: dict[str, TensorInit] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if tensor.is_meta:
+            steps = recorder.steps_of(tensor)
+            if steps is None:
+                raise DeferredInitError(f"'{name}' is not initialised in place after torch.empty")
+        else:
+            steps = [InitStep(aten.copy_.default, (tensor.detach(),), {})]
+        tensors[name] = TensorInit(tensor.shape, tensor.stride(), tensor.dtype, steps)
+    for module_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise DeferredInitError(f"'{module_name}.{attr}' is a tensor on the meta device that is neither "
+                                        "a parameter nor a buffer")
+    return tensors
+
+
+def record_build(build: Callable[[], nn.Module], device: torch.device) -> tuple[nn.Module, InitRecord]:
+    """Run ``build()`` with its parameters on the meta device; return the model and the
+    record that computes their values on ``device`` exactly as ``with device: build()``.
+
+    Raises ``DeferredInitError`` (with the random generators as they were before) when
+    the builder does not follow the protocol in this module's docstring.
+    """
+    generator = device_generator(device)
+    states = torch.get_rng_state(), generator.get_state()
+    try:
+        recorder = _Recorder(device)
+        with torch.device(device), recorder:
+            model = build()
+        tensors = _collect(model, recorder)
+    except DeferredInitError:
+        torch.set_rng_state(states[0])
+        generator.set_state(states[1])
+        raise
+    return model, InitRecord(device, tensors, generator.get_state())
