@@ -1,10 +1,20 @@
-"""Training-loop stall of an async checkpoint vs a synchronous save of the same state,
-and the time a resumed run needs to reach its first step.
+"""Training-loop stall of an async checkpoint vs a synchronous save of the same state, the
+cost of committing it, and the time a resumed run needs to verify and load it.
 
 Three runs of the same job on the same ranks, one after the other in this process:
 synchronous saves, asynchronous saves, then a resume from the async run's checkpoint.
 The stall is the time the training loop spends inside the save call (metrics.jsonl's
-``checkpoint_stall_s``); for async saves the background write time is reported too.
+``checkpoint_stall_s``). An async save's commit runs in its background thread, after the
+write, so the loop's whole cost of an async save is its stall; ``checkpoint_commit_s``
+gives rank 0's commit time.
+
+Checksums are taken by every rank of the files it wrote, at save time, and verified by
+every rank for its own files at resume. The previous way, rank 0 reading back and hashing
+every shard (at commit in the training thread, and at resume while the other ranks wait),
+is measured side by side on the same checkpoint: for the commit, "before" is that
+read-back hash on one process plus the rest of the commit; for the resume check, both ways
+run in turn on the same freshly spawned ranks (after a barrier, so start-up skew is left
+out), and rank 0's wall time is reported.
 
     python benchmarks/checkpoint.py [--model gpt-small] [--nproc 2] [--saves 3]
 """
@@ -18,7 +28,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 import meshyard
+from meshyard.checkpoint.digests import file_digest
+from meshyard.checkpoint.manager import find_latest_valid
+from meshyard.checkpoint.resume import agree_resume_point
+from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.config.sections import CheckpointConfig
 
 INTERVAL = 4
 
@@ -38,6 +57,51 @@ def timed_run(config: meshyard.Config, nproc: int, resume: str = "auto") -> tupl
     return result.metrics(), start
 
 
+def read_back_hash_s(checkpoint: Path, repeats: int = 3) -> float:
+    """The previous commit's extra work: one process reads back and hashes every file."""
+    store = CheckpointStore(str(checkpoint))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for path in sorted(checkpoint.iterdir()):
+            if path.name != "manifest.json":
+                file_digest(store, str(path))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _resume_check_rank(rank: int, world_size: int, folder: str, root: str, repeats: int) -> None:
+    """Both resume checks in turn on one rank; rank 0 writes its median times."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", world_size), rank=rank,
+                            world_size=world_size)
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    for _ in range(repeats):
+        for way in times:
+            dist.barrier()
+            start = time.perf_counter()
+            if way == "before":  # rank 0 verifies every file while the others wait for its answer
+                box = [find_latest_valid(CheckpointStore(root), True, print)[0] if rank == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+            else:
+                agree_resume_point("auto", root, CheckpointConfig(), False, print, rank, world_size)
+            times[way].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(folder, "times.json").write_text(json.dumps({k: statistics.median(v) for k, v in times.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume_check_s(root: Path, nproc: int, repeats: int = 3) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_resume_check_rank, args=(nproc, folder, str(root), repeats), nprocs=nproc, join=True)
+        return json.loads(Path(folder, "times.json").read_text())
+
+
+def mean_of(records: list[dict], key: str) -> float:
+    return statistics.mean(r[key] for r in records if key in r)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-small")
@@ -53,23 +117,39 @@ def main() -> None:
         resumed_records, resume_start = timed_run(job(args, root / "resumed", steps + 1), args.nproc,
                                                   resume=str(root / "async"))
         facts = json.loads((root / "resumed" / "run.json").read_text())
+        newest = root / "async" / "checkpoints" / (root / "async" / "checkpoints" / "latest").read_text().strip()
+        old_hash, check = read_back_hash_s(newest), resume_check_s(newest.parent, args.nproc)
+        per_rank = [0] * args.nproc
+        for entry in json.loads((newest / "manifest.json").read_text())["files"].values():
+            per_rank[entry["rank"]] += entry["size"]
         size = sum(p.stat().st_size for p in (root / "sync" / "checkpoints").glob("step-*/*"))
         checkpoints = len(list((root / "sync" / "checkpoints").glob("step-*")))
 
-    sync_save = statistics.mean(r["checkpoint_stall_s"] for r in sync_records if "checkpoint_stall_s" in r)
-    async_stall = statistics.mean(r["checkpoint_stall_s"] for r in async_records if "checkpoint_stall_s" in r)
-    background = [r["checkpoint_s"] for r in async_records if "checkpoint_s" in r]
+    sync_save = mean_of(sync_records, "checkpoint_stall_s")
+    async_stall = mean_of(async_records, "checkpoint_stall_s")
+    commit = mean_of(async_records, "checkpoint_commit_s")
+    background = mean_of(async_records, "checkpoint_s")
     step_time = statistics.median(r["step_time_s"] for r in sync_records[1:])
     fresh_first = sync_records[0]["time"] - sync_start
     resumed_first = resumed_records[0]["time"] - resume_start
+    resumed = facts["resumed_from"]
+    old_loop = async_stall + old_hash + commit  # the commit ran in the loop, hashing every shard
     print(f"{args.model}, {args.nproc} ranks, checkpoint of {size / checkpoints / 1e6:.1f} MB, "
           f"{args.saves} saves per run, median step {step_time * 1e3:.0f} ms")
-    print(f"synchronous save (loop blocked):     {sync_save * 1e3:8.1f} ms")
-    print(f"async save, loop stall:              {async_stall * 1e3:8.1f} ms")
-    print(f"async save, background write+commit: {statistics.mean(background) * 1e3:8.1f} ms")
-    print(f"ratio async stall / sync save: {async_stall / sync_save:.3f}  (target <= 0.10)")
-    print(f"time to first step: fresh start {fresh_first:.2f} s, resumed {resumed_first:.2f} s "
-          f"(checkpoint load {facts['resumed_from']['load_s']:.2f} s)")
+    print(f"synchronous save (loop blocked, commit included): {sync_save * 1e3:8.1f} ms")
+    print(f"async save, background write + commit:            {background * 1e3:8.1f} ms")
+    print(f"commit on rank 0      before {(old_hash + commit) * 1e3:8.1f} ms (in the training loop; "
+          f"{old_hash * 1e3:.1f} ms of it reading back every shard)")
+    print(f"                      after  {commit * 1e3:8.1f} ms (in the save's background thread)")
+    print(f"async save, loop cost before {old_loop * 1e3:8.1f} ms (stall {async_stall * 1e3:.1f} + commit)")
+    print(f"                      after  {async_stall * 1e3:8.1f} ms (stall; the commit is not in the loop)")
+    print(f"ratio async loop cost / sync save: before {old_loop / sync_save:.3f}, after {async_stall / sync_save:.3f}"
+          "  (target <= 0.10)")
+    print(f"resume check on rank 0 before {check['before'] * 1e3:8.1f} ms (rank 0 reads every file, the others wait)")
+    print(f"                      after  {check['after'] * 1e3:8.1f} ms (each rank reads its own files: "
+          + ", ".join(f"{b / 1e6:.1f}" for b in per_rank) + " MB)")
+    print(f"time to first step: fresh start {fresh_first:.2f} s, resumed {resumed_first:.2f} s (in the resumed "
+          f"run: resume check {resumed['verify_s']:.2f} s, start-up skew included; load {resumed['load_s']:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshyard.config.sections import ModelConfig, OptimConfig
@@ -144,14 +145,19 @@ def timed_loop(batches: Iterable, steps: int, train_step: Callable[[torch.Tensor
     return {"starts": starts, "ends": ends, "losses": losses}
 
 
-def save_times(path: str, times: dict[str, list[float]]) -> None:
-    Path(path).write_text(json.dumps(times))
+def finish(path: str, times: dict[str, list[float]], is_main: bool) -> None:
+    """Rank 0 saves its clock readings; then all ranks leave together (a rank tearing its
+    group down while its peer still has gloo work in flight can hang on exit)."""
+    if is_main:
+        Path(path).write_text(json.dumps(times))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # --- the peers (each runs inside its own job's worker processes) ---------------------
 
 def ddp_rank(rank: int, args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data.distributed import DistributedSampler
 
@@ -171,10 +177,7 @@ def ddp_rank(rank: int, args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times = timed_loop(loader, args.steps, train_step)
-    if rank == 0:
-        save_times(args.times, times)
-    dist.destroy_process_group()
+    finish(args.times, timed_loop(loader, args.steps, train_step), rank == 0)
 
 
 def ddp_worker(args: argparse.Namespace) -> None:
@@ -185,7 +188,6 @@ def ddp_worker(args: argparse.Namespace) -> None:
 
 
 def accelerate_worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -207,16 +209,10 @@ def accelerate_worker(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times = timed_loop(loader, args.steps, train_step)
-    if accelerator.is_main_process:
-        save_times(args.times, times)
-    accelerator.end_training()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(args.times, timed_loop(loader, args.steps, train_step), accelerator.is_main_process)
 
 
 def fabric_worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     try:
         from lightning.fabric import Fabric
         from lightning.fabric.strategies import DDPStrategy
@@ -241,11 +237,7 @@ def fabric_worker(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times = timed_loop(loader, args.steps, train_step)
-    if fabric.global_rank == 0:
-        save_times(args.times, times)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(args.times, timed_loop(loader, args.steps, train_step), fabric.global_rank == 0)
 
 
 WORKERS = {"ddp": ddp_worker, "accelerate": accelerate_worker, "fabric": fabric_worker}

@@ -25,11 +25,12 @@ from meshyard.config.dump import config_to_dict
 from meshyard.config.load import ConfigError
 from meshyard.config.sections import Config
 from meshyard.config.validate import validate
-from meshyard.data.corpus import DataSourceError, load_corpus
+from meshyard.data.corpus import DataSourceError
+from meshyard.data.loader import split_corpus
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
 from meshyard.metrics.records import read_metrics
-from meshyard.plugins import PluginError, is_custom_reference, load_callable
+from meshyard.plugins import PluginError, is_custom_reference, load_callable, unaccepted_keywords
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.devices import (default_nproc, local_launch_problem, require_deterministic_cublas,
                                       visible_gpu_count)
@@ -58,14 +59,31 @@ def prepare_inputs(config: Config) -> None:
     for key, reference in (("model.name", config.model.name), ("data.source", config.data.source)):
         if is_custom_reference(reference):
             try:
-                load_callable(reference)
+                builder = load_callable(reference)
             except PluginError as exc:
                 problems.append(f"{key}: {exc}")
+                continue
+            unknown = unaccepted_keywords(builder, config.model.options) if key == "model.name" else []
+            if unknown:
+                problems.append(f"model.options: '{reference}' takes no keyword argument "
+                                f"{', '.join(repr(name) for name in unknown)}")
     if not is_custom_reference(config.data.source):
         try:
-            load_corpus(config.data)
+            train, _, vocab_size, description = split_corpus(config.data)
         except DataSourceError as exc:
             problems.append(str(exc))
+        else:
+            # Both would fail in every worker: a model with fewer ids than the data on the first
+            # batch (an index out of range), a split without one global batch in its sampler.
+            if 0 < config.model.vocab_size < vocab_size:
+                problems.append(f"model.vocab_size = {config.model.vocab_size} is smaller than the "
+                                f"{vocab_size} token ids of {description}; raise it, or "
+                                "leave it at 0 to take the data's")
+            if len(train) < config.train.global_batch:
+                problems.append(f"the training split of {description} has {len(train)} samples of "
+                                f"{config.data.seq_len} tokens, fewer than one train.global_batch of "
+                                f"{config.train.global_batch}; use more data (data.max_tokens, data.random_tokens, "
+                                "data.paths) or a smaller train.global_batch / data.seq_len")
     if problems:
         raise ConfigError(problems)
 

@@ -30,14 +30,15 @@ OVERRIDES_HELP = (
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
-        help="train according to a TOML config (default: a tiny GPT on 2 local workers)",
+        help="train according to a TOML config (default: a tiny GPT on one local worker per GPU, 2 on CPU)",
         description="Train a model. Without CONFIG, runs the built-in default: a small GPT on this "
-        "Python's standard-library sources, 2 local CPU/GPU workers with DDP. Inside torchrun, Slurm "
+        "Python's standard-library sources, one local worker per GPU (2 on CPU) with DDP. Inside torchrun, Slurm "
         "or a Kubeflow pod the process joins that job instead of starting workers.",
         epilog=OVERRIDES_HELP,
     )
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
-    p.add_argument("--nproc", type=int, help="local worker processes (same as --run.nproc)")
+    p.add_argument("--nproc", type=int,
+                   help="local worker processes (same as --run.nproc; default: one per visible GPU, else 2)")
     p.add_argument("--resume", default="auto", metavar="auto|latest|none|PATH",
                    help="auto (default): continue from this run directory's newest valid checkpoint; "
                    "latest: continue the newest run of the same name; none: start fresh; PATH or URL: "

@@ -9,7 +9,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 class PluginError(ValueError):
@@ -95,6 +95,19 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
         if not frame.filename.startswith(skip) and "importlib" not in frame.filename:
             return frame
     return None
+
+
+def unaccepted_keywords(fn: Callable[..., Any], names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that ``fn`` cannot take as keyword arguments (none if it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins): let the call decide
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    keywords = {name for name, p in params.items()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return [name for name in names if name not in keywords]
 
 
 def call_with_accepted(fn: Callable[..., Any], offered: dict[str, Any], extra: dict[str, Any]) -> Any:

@@ -35,7 +35,7 @@ from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.materialize import build_model_deferred, materialize, meta_init_applies
-from meshyard.parallel.parallelize import parallelize, uses_loss_parallel
+from meshyard.parallel.parallelize import parallelize, replicates_with_fsdp, uses_loss_parallel
 from meshyard.train.pipeline_step import build_step_runner
 from meshyard.train.step import MicroBatchStep
 from meshyard.run_dir import resolve_run_dir, run_id_of
@@ -128,9 +128,11 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                if runtime.is_main else NullDisplay())
     logger = rank_logger(run_dir, runtime.rank)
     report = _reporter(display, logger)
+    # Watches start-up from here (with its own, longer timeout) and each step from the first.
+    watched = cfg.fault.hang_timeout_s > 0 or cfg.fault.startup_timeout_s > 0
     watchdog = (HangWatchdog(run_dir, runtime.rank, runtime.world_size, runtime.store, cfg.fault.hang_timeout_s,
-                             cfg.fault.hang_abort, report)
-                if cfg.fault.hang_timeout_s > 0 and runtime.store is not None else NullWatchdog())
+                             cfg.fault.hang_abort, report, startup_timeout_s=cfg.fault.startup_timeout_s)
+                if watched and runtime.store is not None else NullWatchdog())
     timer = build_timer(cfg.metrics, runtime.device, watchdog.at)
     mesh, dp_mesh = dims.build_mesh(runtime.device.type)
     dp_rank = dp_mesh.get_local_rank()
@@ -149,8 +151,8 @@ def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
                                           resolve_dtype(cfg.precision.dtype, runtime.device), runtime.world_size)
 
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
-    # FSDP casts parameters itself; pipeline stages under 'ddp' are replicated with FSDP too.
-    fsdp_casts = cfg.parallel.strategy == "fsdp" or (dims.pp > 1 and cfg.parallel.strategy == "ddp")
+    # FSDP casts parameters itself; 'ddp' over pipeline stages or TP is FSDP replication.
+    fsdp_casts = cfg.parallel.strategy == "fsdp" or replicates_with_fsdp(cfg.parallel, dims)
     model, compression = parallelize(model, dims, mesh, cfg.parallel, dtype, cfg.precision.reduce_fp32, cfg.comm,
                                      hook_wrapper=timer.comm.wrap if timer.comm else None)
     model_init = "meta" if init_record is not None else "device"

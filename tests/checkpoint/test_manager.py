@@ -74,7 +74,8 @@ def test_commit_protocol_and_retention(one_rank, tmp_path, model_and_optimizer, 
     for name, entry in manifest["files"].items():
         data = (tmp_path / "step-00000005" / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rank": 0}
-    assert sorted(p.name for p in (tmp_path / "step-00000005").iterdir()) == sorted([*manifest["files"], "manifest.json"])
+    published = sorted(p.name for p in (tmp_path / "step-00000005").iterdir())
+    assert published == sorted([*manifest["files"], "manifest.json"])  # no checksum records left behind
     assert [o.step for o in manager.outcomes if o.name] == [1, 2, 3, 4, 5]
 
 

@@ -42,6 +42,13 @@ def test_compression_with_fsdp_is_rejected_with_reason_and_alternative():
     assert problems_of("--comm.compression=none", "--parallel.strategy=fsdp") == []
 
 
+def test_compression_with_ddp_and_tensor_parallel_is_rejected_with_reason():
+    """'ddp' replicates a tensor-parallel model with FSDP2, where no DDP hook can attach."""
+    (problem,) = problems_of("--comm.compression=bf16", "--parallel.strategy=ddp", "--parallel.tp=2", world_size=4)
+    assert "does not combine with parallel.tp = 2" in problem and "comm.compression = 'none'" in problem
+    assert problems_of("--comm.compression=none", "--parallel.strategy=ddp", "--parallel.tp=2", world_size=4) == []
+
+
 @pytest.mark.parametrize("override, fragment", [
     ("--comm.topk_ratio=0", "comm.topk_ratio = 0.0 must be in (0, 1]"),
     ("--comm.topk_ratio=1.5", "must be in (0, 1]"),

@@ -48,6 +48,7 @@ class Case:
     what: str  # one line: the mutation, for failure messages
     file_edits: tuple[tuple[tuple[str, ...], Any], ...] = ()  # (section, key) or (section,) -> value
     overrides: tuple[str, ...] = ()
+    runnable: bool = False  # safe to train if it validates: no huge sizes, the 2 steps kept
 
 
 def _fields() -> list[tuple[str, str, Any]]:
@@ -89,6 +90,22 @@ def _inline(value: Any) -> str:
     return repr(value)
 
 
+def _plausible(tp: Any) -> list[Any]:
+    """Values of the right type that a field may well hold (choices of a Literal, and such)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return list(typing.get_args(tp))
+    return {int: [1, 2, 4], float: [0.5, 1.0], bool: [True, False], str: ["text", "tokens"],
+            list: [["*.txt"], [1, 1]], dict: [{}]}[tp]
+
+
+def _small(value: Any) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return abs(value) <= 1000
+    if isinstance(value, (list, dict)):
+        return all(_small(v) for v in (value.values() if isinstance(value, dict) else value))
+    return True
+
+
 def _override(section: str, key: str, value: Any) -> str:
     """``value`` as a command line carries it: a bare word for strings, else TOML."""
     return f"--{section}.{key}={value if isinstance(value, str) else _inline(value)}"
@@ -103,10 +120,18 @@ def make_cases(seed: int = SEED, count: int = CASES) -> list[Case]:
         kind = index % 8
         section, key, tp = rng.choice(fields)
         value = rng.choice(_bad_values(tp))
-        if kind in (0, 1, 2):
-            cases.append(Case(example, f"file {section}.{key} = {value!r}", (((section, key), value),)))
+        runnable = _small(value) and (section, key) != ("train", "steps")
+        if kind in (0, 1):
+            cases.append(Case(example, f"file {section}.{key} = {value!r}", (((section, key), value),), runnable=runnable))
+        elif kind == 2:  # two fields at once: some values matter only beside another (paths of a text source)
+            section2, key2, tp2 = rng.choice(fields)
+            value2 = rng.choice([*_bad_values(tp2), *_plausible(tp2)])
+            cases.append(Case(example, f"file {section}.{key} = {value!r}, {section2}.{key2} = {value2!r}",
+                              (((section, key), value), ((section2, key2), value2)),
+                              runnable=runnable and _small(value2) and (section2, key2) != ("train", "steps")))
         elif kind in (3, 4):
-            cases.append(Case(example, f"override {section}.{key} = {value!r}", overrides=(_override(section, key, value),)))
+            cases.append(Case(example, f"override {section}.{key} = {value!r}",
+                              overrides=(_override(section, key, value),), runnable=runnable))
         elif kind == 5:
             name = rng.choice(["stepz", "lr_rate", "nprocs", "", "strategy_"])
             cases.append(Case(example, f"unknown key {section}.{name}", (((section, name), 1),)))
@@ -187,15 +212,57 @@ def test_mutation_fails_cleanly_or_validates(case, tmp_path, monkeypatch, capsys
     validate_case(case, tmp_path, monkeypatch, capsys)
 
 
+# Mutations that once passed validation and then failed in the launcher or in every
+# worker, with what validation now says about them.
+REGRESSIONS = [
+    (Case("default.toml", "fault.grace_period_s = inf: the launcher's int() raised OverflowError",
+          ((("fault", "grace_period_s"), math.inf),)), "fault.grace_period_s = inf should be a finite number"),
+    (Case("default.toml", "optim.eps = -1: AdamW refused it in the workers", overrides=("--optim.eps=-1.0",)),
+     "optim.eps = -1.0 must be positive"),
+    (Case("default.toml", "optim.eps = nan: the loss turned NaN", overrides=("--optim.eps=nan",)),
+     "optim.eps = nan should be a finite number"),
+    (Case("default.toml", "sgd with momentum -0.5: SGD refused it in the workers",
+          overrides=("--optim.name=sgd", "--optim.momentum=-0.5")), "optim.momentum = -0.5 must not be negative"),
+    (Case("default.toml", "train.seed = -5: NumPy refused it in the workers", overrides=("--train.seed=-5",)),
+     "train.seed = -5 must not be negative"),
+    (Case("default.toml", "parallel.bucket_mb = 1e300: DDP's byte count overflowed",
+          overrides=("--parallel.bucket_mb=1e300",)), "parallel.bucket_mb = 1e+300 must be positive and at most"),
+    (Case("default.toml", "model.vocab_size = 8 under 256 token ids: index out of range in the embedding",
+          overrides=("--model.vocab_size=8",)), "model.vocab_size = 8 is smaller than the 256 token ids"),
+    (Case("custom_model.toml", "model.options the builder does not take: TypeError in the workers",
+          overrides=("--model.options={a = 1}",)), "takes no keyword argument 'a'"),
+    (Case("default.toml", "data.paths = [2] for text: glob raised TypeError in the launching process",
+          overrides=("--data.source=text", "--data.paths=[2]")), "data.paths = [2] must list files"),
+    (Case("default.toml", "data.random_tokens = 2^40: MemoryError in the launching process",
+          overrides=("--data.random_tokens=1099511627776",)), "data.random_tokens = 1099511627776 must be at most"),
+    (Case("default.toml", "data.random_tokens = 100: fewer samples than a global batch, a ValueError in the workers",
+          overrides=("--data.random_tokens=100",)), "has 2 samples of 32 tokens, fewer than one train.global_batch of 32"),
+    (Case("default.toml", "fault.collective_timeout_s = 1e300: the timedelta overflowed in the workers",
+          overrides=("--fault.collective_timeout_s=1e300",)), "fault.collective_timeout_s = 1e+300 must be positive"),
+    (Case("default.toml", "run.threads_per_rank = 2^40: torch.set_num_threads overflowed in the workers",
+          overrides=("--run.threads_per_rank=1099511627776",)), "run.threads_per_rank = 1099511627776 must be in"),
+]
+
+
+@pytest.mark.parametrize("case, message", REGRESSIONS, ids=[c.what.split(":")[0] for c, _ in REGRESSIONS])
+def test_found_mutations_fail_validation(case, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    started = stop_at_launch(monkeypatch)
+    code, err = call_cli(["run", str(write_config(case, tmp_path)), *case.overrides], capsys)
+    assert code == 2 and not started, f"{case.what}: exit {code}\n{err}"
+    assert message in err and "Traceback" not in err, err
+
+
 def test_mutations_that_validate_train(tmp_path, monkeypatch, capsys):
-    """The first few valid mutations on at most 2 ranks really run their 2 steps."""
+    """The first few valid mutations on at most 2 ranks really run their 2 steps (drawn
+    past CASE_LIST when needed: which draws are valid shifts whenever the schema grows)."""
     chosen = []
-    for index, case in enumerate(CASE_LIST):
+    for index, case in enumerate(make_cases(count=4 * CASES)):
         folder = tmp_path / f"validate{index}"
         folder.mkdir()
         with monkeypatch.context() as patch:
             code, started = validate_case(case, folder, patch, capsys)
-        if code == 0 and started and started[0] <= 2:
+        if code == 0 and case.runnable and started and started[0] <= 2:
             chosen.append(case)
         if len(chosen) == RUN_CASES:
             break

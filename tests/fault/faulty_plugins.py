@@ -1,8 +1,9 @@
 """Test-only model and dataset builders that misbehave on purpose, on one rank or all.
 
 ``build_model`` wraps meshyard's tiny GPT; its options (``model.options``) choose the
-misbehaviour: ``sleep_s`` per forward on ``rank``, a ``hang_at`` forward call that never
-returns on ``rank``, or NaN logits from forward call ``nan_at`` on ``rank``.
+misbehaviour: ``sleep_s`` per forward on ``rank``, a ``hang_at`` forward call that does
+not return for ``hang_s`` (an hour: never, for a test) on ``rank``, NaN logits from forward
+call ``nan_at`` on ``rank``, or a start-up slowed by ``build_sleep_s`` (every rank).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from meshyard.models.gpt import GPT, GPTShape
 
 
 class Misbehaving(nn.Module):
-    def __init__(self, inner: nn.Module, rank: int, sleep_s: float, hang_at: int, nan_at: int) -> None:
+    def __init__(self, inner: nn.Module, rank: int, sleep_s: float, hang_at: int, nan_at: int,
+                 hang_s: float = 3600.0) -> None:
         super().__init__()
         self.inner = inner
         self.mine = int(os.environ.get("RANK", "0")) == rank
-        self.sleep_s, self.hang_at, self.nan_at = sleep_s, hang_at, nan_at
+        self.sleep_s, self.hang_at, self.nan_at, self.hang_s = sleep_s, hang_at, nan_at, hang_s
         self.calls = 0
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -31,7 +33,7 @@ class Misbehaving(nn.Module):
         if self.mine and self.sleep_s:
             time.sleep(self.sleep_s)
         if self.mine and self.calls == self.hang_at:
-            time.sleep(3600)  # never reaches the gradient all-reduce the other ranks wait in
+            time.sleep(self.hang_s)  # does not reach the gradient all-reduce the other ranks wait in
         logits = self.inner(tokens)
         if self.mine and self.calls == self.nan_at:
             logits = logits * float("nan")
@@ -39,9 +41,10 @@ class Misbehaving(nn.Module):
 
 
 def build_model(vocab_size: int, context_length: int, rank: int = 1, sleep_s: float = 0.0, hang_at: int = 0,
-                nan_at: int = 0) -> nn.Module:
+                nan_at: int = 0, hang_s: float = 3600.0, build_sleep_s: float = 0.0) -> nn.Module:
+    time.sleep(build_sleep_s)  # a slow start-up: e.g. weights fetched from far away
     shape = GPTShape(vocab_size=vocab_size, context_length=context_length, n_layer=2, n_head=2, d_model=64)
-    return Misbehaving(GPT(shape), rank, sleep_s, hang_at, nan_at)
+    return Misbehaving(GPT(shape), rank, sleep_s, hang_at, nan_at, hang_s)
 
 
 class SlowTokens(Dataset):

@@ -33,3 +33,67 @@ def test_fires_once_after_the_timeout_and_not_while_progressing(tmp_path):
         assert "test_fires_once" in (tmp_path / "hang" / "rank0.txt").read_text()  # the main thread's stack
     finally:
         dog.stop()
+
+
+def _wait_for(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_startup_has_its_own_longer_timeout(tmp_path):
+    messages: list[str] = []
+    dog = HangWatchdog(tmp_path, 0, 1, dist.HashStore(), timeout_s=0.3, abort=False, report=messages.append,
+                       startup_timeout_s=30)
+    try:
+        time.sleep(1.5)  # five step timeouts of start-up: within its own allowance
+        assert not dog.fired and messages == []
+        dog.at("data", 1)  # the first step: from here the step timeout applies
+        _wait_for(lambda: messages, 5)
+        assert "every rank is at step 1, phase data" in messages[0]
+    finally:
+        dog.stop()
+
+
+def test_startup_over_its_timeout_is_reported_and_steps_are_still_watched(tmp_path):
+    messages: list[str] = []
+    dog = HangWatchdog(tmp_path, 0, 1, dist.HashStore(), timeout_s=0.3, abort=False, report=messages.append,
+                       startup_timeout_s=0.5)
+    try:
+        _wait_for(lambda: messages, 5)
+        assert "start-up" in messages[0] and "fault.startup_timeout_s = 0.5" in messages[0]
+        report = json.loads((tmp_path / "hang" / "report-rank0.json").read_text())
+        assert report["phase"] == "starting" and report["timeout_s"] == 0.5
+        dog.at("forward", 1)  # start-up finished late: a later stall is a hang of its own
+        _wait_for(lambda: len(messages) > 1, 5)
+        assert len(messages) == 2 and "every rank is at step 1, phase forward" in messages[1]
+    finally:
+        dog.stop()
+
+
+def test_slow_startup_of_a_run_is_not_a_hang_but_a_stalled_step_is(tmp_path):
+    """Through a whole (one-process) run: a model builder slower than the step timeout,
+    then a forward that stalls past it."""
+    import meshyard
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "--model.name=tests/fault/faulty_plugins.py:build_model",
+                      "--model.options={ rank = 0, build_sleep_s = 4, hang_at = 2, hang_s = 4 }", "--train.steps=3",
+                      "--fault.hang_timeout_s=1.5", "--fault.startup_timeout_s=60")
+    meshyard.run(cfg, nproc=1)
+    report = json.loads((tmp_path / "run" / "hang" / "report-rank0.json").read_text())
+    assert (report["step"], report["phase"], report["timeout_s"]) == (2, "forward", 1.5)
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "every rank is at step 2, phase forward" in log and "start-up" not in log
+
+
+def test_startup_past_its_timeout_in_a_run_is_reported(tmp_path):
+    import meshyard
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "--model.name=tests/fault/faulty_plugins.py:build_model",
+                      "--model.options={ build_sleep_s = 4 }", "--train.steps=1", "--fault.startup_timeout_s=1")
+    meshyard.run(cfg, nproc=1)
+    report = json.loads((tmp_path / "run" / "hang" / "report-rank0.json").read_text())
+    assert report["phase"] == "starting" and report["step"] == 0
+    assert "fault.startup_timeout_s = 1;" in (tmp_path / "run" / "logs" / "rank0.log").read_text()

@@ -35,8 +35,9 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize(
     "first, second",
     [((2, ["--parallel.strategy=none", "--parallel.tp=2"]), (1, ["--parallel.strategy=none"])),
-     ((2, ["--parallel.strategy=none", "--parallel.pp=2"]), (2, ["--parallel.strategy=fsdp"]))],
-    ids=["tp-to-none", "pp-to-fsdp"],
+     ((2, ["--parallel.strategy=none", "--parallel.pp=2"]), (2, ["--parallel.strategy=fsdp"])),
+     ((4, ["--parallel.strategy=ddp", "--parallel.tp=2"]), (1, ["--parallel.strategy=none"]))],
+    ids=["tp-to-none", "pp-to-fsdp", "ddp-x-tp-to-none"],
 )
 def test_checkpoint_continues_on_another_layout(tmp_path, uninterrupted, first, second):
     (n1, o1), (n2, o2) = first, second

@@ -43,6 +43,7 @@ LAYOUTS = {
     "pp2-zerobubble": (2, ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=zerobubble",
                            "--parallel.pp_virtual_stages=2", "--parallel.microbatches=4"]),
     "fsdp2xtp2": (4, ["--parallel.strategy=fsdp", "--parallel.tp=2"]),
+    "ddp2xtp2": (4, ["--parallel.strategy=ddp", "--parallel.tp=2"]),  # replicated with FSDP2
     "hsdp2x2": (4, ["--parallel.strategy=fsdp", "--parallel.dp_replicate=2"]),
     "pp2xfsdp2": (4, ["--parallel.strategy=fsdp", "--parallel.pp=2"]),
     "pp2xddp2": (4, ["--parallel.strategy=ddp", "--parallel.pp=2"]),

@@ -35,6 +35,7 @@ DCP_METADATA = ".metadata"
 
 
 def record_name(rank: int) -> str:
+    """File name of ``rank``'s checksum record inside the checkpoint being written."""
     return f"digests.rank{rank}.json"
 
 

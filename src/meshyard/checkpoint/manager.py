@@ -78,6 +78,7 @@ class CheckpointConflict(OSError):
 
 
 def new_run_id() -> str:
+    """A fresh run id (runs keep theirs in the run directory: ``run_dir.run_id_of``)."""
     return uuid.uuid4().hex[:12]
 
 
@@ -246,7 +247,7 @@ class CheckpointManager:
         store.write_text(f"{staging}/{MANIFEST}", _dumps(build_manifest(files, facts)), tag)
         if staging == pending.final:  # the manifest names the owner from now on
             store.fs.rm(f"{staging}/{OWNER_MARKER}")
-        if staging != pending.final:
+        else:
             self._refuse_foreign(pending.final)  # another run may have published this name meanwhile
             store.remove_tree(pending.final)
         store.publish(staging, pending.final)

@@ -136,10 +136,11 @@ class SafeBytesMixin:
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:  # type: ignore[attr-defined]
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)  # type: ignore[attr-defined]
+        planner: Any = self  # a DefaultLoadPlanner by the class this is mixed into
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
         else:
-            self.state_dict[read_item.dest_index.fqn] = loaded  # type: ignore[attr-defined]
+            planner.state_dict[read_item.dest_index.fqn] = loaded
 
 
 class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):

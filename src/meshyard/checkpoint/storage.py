@@ -103,9 +103,6 @@ class CheckpointStore:
         os.rename(staging, final)  # local only: object stores write in place
         _fsync_dir(os.path.dirname(final))
 
-    def staging_name(self, name: str) -> str:
-        return f"{name}.partial" if self.is_local else name
-
     def open(self, path: str, mode: str = "rb"):
         return self.fs.open(path, mode)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from pathlib import Path
@@ -130,6 +131,8 @@ def coerce(value: Any, tp: Any, where: str) -> tuple[Any, str | None]:
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):  # TOML spells them nan and inf; no field means either
+            return value, f"{where} = {value!r} should be a finite number"
     elif tp is str:
         ok = isinstance(value, str)
     elif tp is list:

@@ -209,7 +209,12 @@ class FaultConfig:
     max_restarts: int = option(0, "Times the elastic agent restarts the workers after a failure (resuming each time).")
     grace_period_s: float = option(60.0, "Seconds from a preemption signal to the forced stop; the save must fit in it.")
     signals: list = option(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that mean 'save and stop' (on any rank).")
-    hang_timeout_s: float = option(300.0, "Dump every rank's stacks when no step completes for this long; 0 disables.")
+    hang_timeout_s: float = option(
+        300.0, "Dump every rank's stacks when a rank makes no progress in a step for this long; 0 disables."
+    )
+    startup_timeout_s: float = option(
+        1800.0, "The same for start-up (data, model, checkpoint load) until the first step; 0 disables."
+    )
     hang_abort: bool = option(False, "After a hang dump, exit so an elastic restart (fault.max_restarts) can recover.")
     collective_timeout_s: float = option(
         600.0, "Seconds a collective (and the start-up rendezvous) waits for the slowest rank before failing; "

@@ -56,27 +56,36 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
         )
     if d.source in ("text", "tokens") and not d.paths:
         problems.append(f"data.source = '{d.source}' needs data.paths (files or glob patterns)")
+    need(all(isinstance(path, str) for path in d.paths),
+         f"data.paths = {d.paths} must list files or glob patterns as strings")
     need(d.seq_len >= 1, f"data.seq_len = {d.seq_len} must be at least 1")
     need(0.0 <= d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in [0, 1)")
     need(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must not be negative")
     need(d.prefetch_factor >= 1, f"data.prefetch_factor = {d.prefetch_factor} must be at least 1")
     need(d.max_tokens >= 0 and d.vocab_size >= 0, "data.max_tokens and data.vocab_size must not be negative")
     need(d.random_tokens > d.seq_len, f"data.random_tokens = {d.random_tokens} must exceed data.seq_len")
+    # The random source is drawn in memory, 8 bytes a token: 2^31 of them already take 16 GiB.
+    need(d.random_tokens <= 2 ** 31, f"data.random_tokens = {d.random_tokens} must be at most 2147483648")
 
     need(t.steps >= 1, f"train.steps = {t.steps} must be at least 1")
     need(t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must not be negative (0 disables clipping)")
     need(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must not be negative (0 disables evaluation)")
     need(t.eval_batches >= 1, f"train.eval_batches = {t.eval_batches} must be at least 1")
+    need(t.seed >= 0, f"train.seed = {t.seed} must not be negative (NumPy's generators take only non-negative seeds)")
 
     need(o.lr > 0, f"optim.lr = {o.lr} must be positive")
     need(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must not be negative")
+    need(o.eps > 0, f"optim.eps = {o.eps} must be positive")
+    need(o.momentum >= 0, f"optim.momentum = {o.momentum} must not be negative")
     betas_ok = len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas)
     need(betas_ok, f"optim.betas = {o.betas} must be two numbers in [0, 1)")
     need(o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps} must not be negative")
     need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
     need(o.reference_batch >= 1, f"optim.reference_batch = {o.reference_batch} must be at least 1")
 
-    need(cfg.parallel.bucket_mb > 0, f"parallel.bucket_mb = {cfg.parallel.bucket_mb} must be positive")
+    # DDP turns the size into a byte count held in 64 bits; no bucket needs more than 1 TiB.
+    need(0 < cfg.parallel.bucket_mb <= 2 ** 20,
+         f"parallel.bucket_mb = {cfg.parallel.bucket_mb} must be positive and at most 1048576 (1 TiB)")
     need(cfg.precision.loss_scale_growth_interval >= 1,
          f"precision.loss_scale_growth_interval = {cfg.precision.loss_scale_growth_interval} must be at least 1")
     _check_comm(cfg, problems)
@@ -85,8 +94,9 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
          f"checkpoint.interval_minutes = {cfg.checkpoint.interval_minutes} must not be negative")
     need(cfg.fault.max_restarts >= 0, f"fault.max_restarts = {cfg.fault.max_restarts} must not be negative")
     need(cfg.fault.grace_period_s > 0, f"fault.grace_period_s = {cfg.fault.grace_period_s} must be positive")
-    need(cfg.fault.collective_timeout_s > 0,
-         f"fault.collective_timeout_s = {cfg.fault.collective_timeout_s} must be positive")
+    # Process groups hold their timeout as a timedelta, which overflows far beyond any useful wait.
+    need(0 < cfg.fault.collective_timeout_s <= 365 * 86400,
+         f"fault.collective_timeout_s = {cfg.fault.collective_timeout_s} must be positive and at most a year (31536000)")
     for name in cfg.fault.signals:
         if name not in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"):
             problems.append(f"fault.signals: '{name}' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP")
@@ -98,8 +108,11 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
     need(0 <= cfg.metrics.prometheus_port < 65536,
          f"metrics.prometheus_port = {cfg.metrics.prometheus_port} is not a port number (0-65535)")
     need(cfg.fault.hang_timeout_s >= 0, f"fault.hang_timeout_s = {cfg.fault.hang_timeout_s} must not be negative")
+    need(cfg.fault.startup_timeout_s >= 0,
+         f"fault.startup_timeout_s = {cfg.fault.startup_timeout_s} must not be negative (0 disables it)")
     need(cfg.run.nproc >= 0, f"run.nproc = {cfg.run.nproc} must not be negative (0 starts one per visible GPU)")
-    need(cfg.run.threads_per_rank >= 0, f"run.threads_per_rank = {cfg.run.threads_per_rank} must not be negative")
+    need(0 <= cfg.run.threads_per_rank < 2 ** 31,  # torch.set_num_threads takes a C int
+         f"run.threads_per_rank = {cfg.run.threads_per_rank} must be in [0, 2147483647]")
 
 
 def _check_comm(cfg: Config, problems: list[str]) -> None:
@@ -155,6 +168,12 @@ def _check_model_parallel(cfg: Config, batch: BatchPlan | None, problems: list[s
                             "of each train.micro_batch; each pipeline micro-batch must hold whole samples")
     if p.pp > 1 and cfg.comm.compression != "none":
         problems.append(f"comm.compression = '{cfg.comm.compression}' is not supported with parallel.pp > 1")
+    if p.tp > 1 and p.pp == 1 and p.strategy == "ddp" and cfg.comm.compression != "none":
+        problems.append(
+            f"comm.compression = '{cfg.comm.compression}' does not combine with parallel.tp = {p.tp}: DDP cannot "
+            "wrap a tensor-parallel model, so 'ddp' replicates it with FSDP2, whose gradient all-reduce takes no "
+            "DDP communication hook; use comm.compression = 'none' (or parallel.tp = 1 to compress)"
+        )
     if p.tp > 1 and cfg.data.seq_len % p.tp and p.sequence_parallel:
         problems.append(f"data.seq_len = {cfg.data.seq_len} is not divisible by parallel.tp = {p.tp} "
                         "(sequence parallelism splits the sequence); change one or set parallel.sequence_parallel = false")

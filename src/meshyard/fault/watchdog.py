@@ -8,6 +8,11 @@ to the job's rendezvous store about once a second. When this rank makes no progr
 store and writes ``hang/report-rank<N>.json`` naming the ranks furthest behind: those are
 the ones the others are waiting for. With ``abort`` the process then exits, so the
 elastic agent can restart the job from its last checkpoint.
+
+Start-up (building the data and the model, loading and verifying a checkpoint) is one
+long phase, ``starting``, that can take far longer than a step without anything being
+wrong; it has its own allowance, ``startup_timeout``. The step ``timeout`` applies from
+the first step on. Either is 0 to leave that part unwatched.
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ def laggards(positions: dict[int, dict[str, Any]]) -> list[int]:
 
 class HangWatchdog:
     def __init__(self, run_dir: Path, rank: int, world_size: int, store: dist.Store, timeout_s: float,
-                 abort: bool, report: Callable[[str], None]) -> None:
+                 abort: bool, report: Callable[[str], None], startup_timeout_s: float = 0.0) -> None:
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
         self.store, self.timeout, self.abort, self.report = store, timeout_s, abort, report
+        self.startup_timeout = startup_timeout_s
         self.step, self.phase = 0, "starting"
         self._seen = (0, "starting")
         self._last_change = time.monotonic()
@@ -74,17 +80,25 @@ class HangWatchdog:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _limit(self) -> float:
+        """Seconds without progress that make a hang where this rank is now (0: none)."""
+        return self.startup_timeout if self.phase == "starting" else self.timeout
+
     def _run(self) -> None:
-        interval = min(1.0, max(0.05, self.timeout / 5))
+        watched = [t for t in (self.timeout, self.startup_timeout) if t > 0] or [5.0]
+        interval = min(1.0, max(0.05, min(watched) / 5))
         while not self._stop.wait(interval):
             position = (self.step, self.phase)
             now = time.monotonic()
             if position != self._seen:
-                self._seen, self._last_change = position, now
+                # Progress re-arms the alarm: a slow start-up that was reported must not
+                # keep a later hang in a step from being reported.
+                self._seen, self._last_change, self.fired = position, now, False
             self._publish()
-            if not self.fired and now - self._last_change > self.timeout:
+            limit = self._limit()
+            if not self.fired and limit > 0 and now - self._last_change > limit:
                 self.fired = True
-                self._on_hang(now - self._last_change)
+                self._on_hang(now - self._last_change, limit)
 
     def _publish(self) -> None:
         try:
@@ -102,7 +116,8 @@ class HangWatchdog:
                 continue
         return positions
 
-    def _on_hang(self, stalled_for: float) -> None:
+    def _on_hang(self, stalled_for: float, limit: float) -> None:
+        starting = self.phase == "starting"  # before the pause below, in which it may change
         hang_dir = self.run_dir / "hang"
         hang_dir.mkdir(parents=True, exist_ok=True)
         with open(hang_dir / f"rank{self.rank}.txt", "w") as out:
@@ -110,17 +125,21 @@ class HangWatchdog:
                       f"phase {self.phase}\n\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
-        time.sleep(min(2.0, self.timeout))  # let the other ranks publish their last position
+        time.sleep(min(2.0, limit))  # let the other ranks publish their last position
         positions = self._positions()
         behind = laggards(positions)
         waiting_in = {p["phase"] for r, p in positions.items() if r not in behind}
         report = {
-            "rank": self.rank, "stalled_s": stalled_for, "step": self.step, "phase": self.phase,
+            "rank": self.rank, "stalled_s": stalled_for, "timeout_s": limit, "step": self.step, "phase": self.phase,
             "positions": positions, "behind": behind, "missing": sorted(set(range(self.world_size)) - set(positions)),
             "others_wait_in": sorted(COLLECTIVE_OF_PHASE.get(p, p) for p in waiting_in),
         }
         (hang_dir / f"report-rank{self.rank}.json").write_text(json.dumps(report, indent=2))
-        if behind:
+        if starting:
+            message = (f"hang: start-up (building data and model, loading a checkpoint) made no progress for "
+                       f"{stalled_for:.0f}s, more than fault.startup_timeout_s = {limit:g}; raise it if start-up "
+                       "is only slow")
+        elif behind:
             where = ", ".join(f"rank {r} (step {positions[r]['step']}, {positions[r]['phase']})" for r in behind)
             message = (f"hang: no progress for {stalled_for:.0f}s; the other ranks wait in "
                        f"{' / '.join(report['others_wait_in']) or 'a collective'} for {where}")

@@ -34,8 +34,10 @@ initialised in place, tensors that are never initialised.
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -48,6 +50,12 @@ aten = torch.ops.aten
 _UNINITIALISED = (aten.empty.memory_format, aten.empty_strided.default)
 # In-place operations that write every element regardless of the previous contents.
 _OVERWRITES = (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default)
+# torch.nn.init functions that draw no random numbers.
+_DETERMINISTIC_INITS = (nn.init.constant_, nn.init.ones_, nn.init.zeros_, nn.init.eye_, nn.init.dirac_)
+# The public torch.nn.init functions (``normal_``, ``trunc_normal_`` ...), by their code.
+_INIT_FUNCTIONS = {value.__code__: value for name, value in vars(nn.init).items()
+                   if name.endswith("_") and not name.startswith("_") and callable(value)
+                   and getattr(value, "__module__", None) == "torch.nn.init" and hasattr(value, "__code__")}
 
 
 class DeferredInitError(RuntimeError):
@@ -120,6 +128,10 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
+def _has_meta(tree: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(tree))
+
+
 def _geometry(tensor: torch.Tensor) -> tuple[Any, ...]:
     return tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype
 
@@ -131,7 +143,14 @@ class _Entry(NamedTuple):
 
 
 class _Recorder(TorchDispatchMode):
-    """Defers uninitialised allocations to meta and records in-place writes into them.
+    """Defers uninitialised allocations to meta and records the writes into them.
+
+    ``torch.nn.init`` functions are recorded as one step each, seen through a profile
+    hook: some of them (``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``) do
+    nothing at all on a meta tensor, and ``trunc_normal_`` draws until every value lies
+    in bounds, a number of draws that only the values themselves decide. Running the
+    whole function on a real scratch tensor reproduces both. Other writes (tensor
+    methods such as ``fill_`` or ``normal_``) are recorded operation by operation.
 
     Entries are keyed by storage, not by tensor object: ``nn.Parameter(t)`` is a new
     tensor object over the same storage as ``t``.
@@ -142,7 +161,42 @@ class _Recorder(TorchDispatchMode):
         self.device = device
         self.generator = device_generator(device)
         self.entries: dict[int, _Entry] = {}
+        self.problem: DeferredInitError | None = None  # found by the profile hook, raised after the build
+        self._inside: Any = None  # the frame of the torch.nn.init call being recorded
         self._buffer = torch.empty(0, dtype=torch.uint8, device=device)
+
+    @contextmanager
+    def watching_init_calls(self) -> Iterator[None]:
+        """Record ``torch.nn.init`` calls on meta tensors while the block runs (this thread)."""
+        previous = sys.getprofile()
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if previous is not None:
+                previous(frame, event, arg)
+            self._on_call(frame, event)
+
+        sys.setprofile(hook)
+        try:
+            yield
+        finally:
+            sys.setprofile(previous)
+
+    def _on_call(self, frame: Any, event: str) -> None:
+        if event == "return" and frame is self._inside:
+            self._inside = None
+        if event != "call" or self._inside is not None or frame.f_code not in _INIT_FUNCTIONS:
+            return
+        tensor = frame.f_locals.get("tensor")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+            return
+        self._inside = frame  # the operations inside this call are this step: not recorded again
+        function = _INIT_FUNCTIONS[frame.f_code]
+        kwargs = {name: value for name, value in frame.f_locals.items() if name != "tensor"}
+        try:
+            self._record(function, tensor, (), kwargs, function not in _DETERMINISTIC_INITS, overwrites=True)
+        except Exception as problem:  # raised inside a profile hook, it would unset the hook: kept for later
+            self.problem = self.problem or (problem if isinstance(problem, DeferredInitError) else
+                                            DeferredInitError(f"{function.__name__} failed on a scratch copy: {problem}"))
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A tensor laid out as ``like`` over one reused buffer: a fresh allocation per draw
@@ -156,16 +210,18 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self._inside is not None:
+            return func(*args, **kwargs)  # inside a recorded torch.nn.init call, or its scratch run
         if func in _UNINITIALISED and torch.device(kwargs.get("device") or "cpu").type == self.device.type:
             return func(*args, **{**kwargs, "device": torch.device("meta")})
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         written = [t for t in _written(func, args, kwargs) if t.is_meta]
         if written:
             self._record_write(func, args, kwargs, written, seeded)
-        elif seeded and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs))):
-            raise DeferredInitError(f"{func} draws random numbers from a meta tensor that is not initialised in place")
+        elif seeded and _has_meta((args, kwargs)):
+            raise DeferredInitError(f"{func} draws random numbers shaped after a tensor on the meta device")
         result = func(*args, **kwargs)
-        if seeded and not written and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(result)):
+        if seeded and not written and _has_meta(result):
             raise DeferredInitError(f"{func} draws random numbers into a new tensor on the meta device")
         return result
 
@@ -173,17 +229,28 @@ class _Recorder(TorchDispatchMode):
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if written != [target]:
             raise DeferredInitError(f"{func} writes into a meta tensor through an out= argument")
-        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args[1:], kwargs))):
+        if _has_meta((args[1:], kwargs)):
             raise DeferredInitError(f"{func} computes a value from other tensors on the meta device "
-                                    "(e.g. nn.init.orthogonal_)")
+                                    "(e.g. copies one parameter into another)")
+        self._record(func, target, tuple(args[1:]), kwargs, seeded, seeded or func in _OVERWRITES)
+
+    def _record(self, call: Callable[..., Any], target: torch.Tensor, args: tuple, kwargs: dict, seeded: bool,
+                overwrites: bool) -> None:
+        """Add ``call(target, *args, **kwargs)`` to ``target``'s steps; a random one is
+        also run once on a scratch tensor, the draw a build on the device makes, so that
+        the generator ends where that build's does."""
         if kwargs.get("generator") is not None:
-            raise DeferredInitError(f"{func} draws from its own torch.Generator, whose state is not recorded")
+            raise DeferredInitError(f"{getattr(call, '__name__', call)} draws from its own torch.Generator, "
+                                    "whose state is not recorded")
         rng_state = None
         if seeded:
             rng_state = self.generator.get_state()
-            # The same draw a build on the device makes, so the generator ends where that build's does.
-            func(self._scratch(target), *args[1:], **kwargs)
-        self._append(target, InitStep(func, tuple(args[1:]), dict(kwargs), rng_state), seeded or func in _OVERWRITES)
+            inside, self._inside = self._inside, True
+            try:
+                call(self._scratch(target), *args, **kwargs)
+            finally:
+                self._inside = inside
+        self._append(target, InitStep(call, args, dict(kwargs), rng_state), overwrites)
 
     def _append(self, target: torch.Tensor, step: InitStep, overwrites: bool) -> None:
         storage = target.untyped_storage()
@@ -239,8 +306,10 @@ def record_build(build: Callable[[], nn.Module], device: torch.device) -> tuple[
     states = torch.get_rng_state(), generator.get_state()
     try:
         recorder = _Recorder(device)
-        with torch.device(device), recorder:
+        with torch.device(device), recorder, recorder.watching_init_calls():
             model = build()
+        if recorder.problem is not None:
+            raise recorder.problem
         tensors = _collect(model, recorder)
     except DeferredInitError:
         torch.set_rng_state(states[0])

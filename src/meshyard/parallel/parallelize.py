@@ -37,6 +37,16 @@ def uses_loss_parallel(cfg: ParallelConfig, dims: ParallelDims) -> bool:
     return cfg.loss_parallel and dims.tp > 1 and dims.pp == 1
 
 
+def replicates_with_fsdp(cfg: ParallelConfig, dims: ParallelDims) -> bool:
+    """Whether ``strategy = 'ddp'`` is carried out by FSDP2 on (dp_replicate, dp_shard =
+    1): parameters replicated and gradients all-reduced, as DDP would, for models DDP
+    cannot wrap. Pipeline stages: DDP's reducer does not follow a schedule's interleaved
+    micro-batch backwards. Tensor-parallel models: DDP takes no DTensor parameters, and
+    torch's DDP + TP path (``device_mesh=``) swaps them for plain attributes after the
+    first forward, leaving no parameters to clip, optimize or checkpoint."""
+    return cfg.strategy == "ddp" and (dims.pp > 1 or (dims.tp > 1 and dims.dp_replicate > 1))
+
+
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -54,7 +64,8 @@ def parallelize(
     ``tp`` mesh), activation checkpointing (wraps block forwards, so it sees the TP
     modules), (compile: later), then data parallelism, outermost, because DDP and FSDP
     must see the final module structure (FSDP over TP DTensors gives 2-D FSDP x TP); the
-    gradient-compression hook goes on the DDP module last. Returns the module to train
+    gradient-compression hook goes on the DDP module last. 'ddp' over pipeline stages or
+    a tensor-parallel model is FSDP2 replication (``replicates_with_fsdp``). Returns the module to train
     (``unwrap`` recovers the plain module from it; under pipelining a ``PipelinedModel``
     holding this rank's stages) and the compression state.
     """
@@ -64,15 +75,14 @@ def parallelize(
         # parallelized like a whole model (TP, AC, FSDP/DDP) on the rest of the mesh.
         pipelined = split_model(model, dims.pp, mesh["pp"].get_local_rank(), cfg.pp_virtual_stages, cfg.pp_split)
         stage_dims = dataclasses.replace(dims, pp=1, world_size=dims.world_size // dims.pp)
-        # DDP's reducer does not follow a schedule's interleaved micro-batch backwards;
-        # FSDP2 on (replicate, shard = 1) replicates a stage and all-reduces its gradients.
-        stage_cfg = dataclasses.replace(cfg, strategy="fsdp", reshard_after_forward=False) \
-            if cfg.strategy == "ddp" else cfg
+        stage_cfg = _as_fsdp(cfg) if replicates_with_fsdp(cfg, dims) else cfg
         # The schedule computes the loss inside the last stage, on gathered logits.
         stage_cfg = dataclasses.replace(stage_cfg, loss_parallel=False)
         pipelined.wrap_stages(lambda stage: parallelize(stage, stage_dims, mesh, stage_cfg, compute_dtype,
                                                         reduce_fp32).model)
         return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper))
+    if replicates_with_fsdp(cfg, dims):
+        cfg = _as_fsdp(cfg)
     if dims.tp > 1:
         model = apply_tp(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=uses_loss_parallel(cfg, dims))
     model = apply_ac(model, cfg.ac, cfg.ac_every)
@@ -87,3 +97,9 @@ def parallelize(
         model = apply_ddp(model, mesh["dp_replicate"], cfg.bucket_mb,
                           gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph)
     return Parallelized(model, attach_compression(model, comm, hook_wrapper))
+
+
+def _as_fsdp(cfg: ParallelConfig) -> ParallelConfig:
+    """'ddp' as FSDP2 over (dp_replicate, dp_shard = 1); with one shard per replica
+    there is nothing to free after forward, so parameters stay unsharded."""
+    return dataclasses.replace(cfg, strategy="fsdp", reshard_after_forward=False)

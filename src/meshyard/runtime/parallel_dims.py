@@ -89,7 +89,12 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The single DeviceMesh of the job, and its flattened 1-D ``dp`` view."""
+        """The single DeviceMesh of the job, and its flattened 1-D ``dp`` view.
+
+        Its groups come from the default process group (dimensions spanning every rank
+        reuse it; the others are split from it), so they keep its device-to-backend map:
+        CPU tensors go through gloo on every mesh group, as on the default one.
+        """
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
