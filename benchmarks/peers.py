@@ -439,6 +439,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("job", nargs="?", help=argparse.SUPPRESS)  # a worker's settings (JSON)
     args = parser.parse_args(argv)
+    if bool(args.worker) != bool(args.job):
+        parser.error("unexpected argument: the script takes only options")
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown or not names:

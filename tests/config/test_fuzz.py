@@ -237,6 +237,15 @@ REGRESSIONS = [
           overrides=("--data.random_tokens=1099511627776",)), "data.random_tokens = 1099511627776 must be at most"),
     (Case("default.toml", "data.random_tokens = 100: fewer samples than a global batch, a ValueError in the workers",
           overrides=("--data.random_tokens=100",)), "has 2 samples of 32 tokens, fewer than one train.global_batch of 32"),
+    (Case("default.toml", "model.n_head = 3 beside the preset's width 128: ValueError building the model",
+          overrides=("--model.d_model=0", "--model.n_head=3")),
+     "model.d_model = 128 (from 'gpt-mini') is not divisible by model.n_head = 3"),
+    (Case("tp_pp.toml", "3 heads over tp = 2: ValueError in every worker", overrides=("--model.n_head=3",)),
+     "model.n_head = 3 is not divisible by parallel.tp = 2"),
+    (Case("tp_pp.toml", "1 block for 2 pipeline stages: PipelineSplitError in every worker",
+          overrides=("--model.n_layer=1",)), "model.n_layer = 1 blocks are fewer than the 2 pipeline stages"),
+    (Case("tp_pp.toml", "pp_split of 2 blocks for a model of 4: PipelineSplitError in every worker",
+          overrides=("--parallel.pp_split=[1, 1]",)), "parallel.pp_split = [1, 1] sums to 2 blocks, not the 4"),
     (Case("default.toml", "fault.collective_timeout_s = 1e300: the timedelta overflowed in the workers",
           overrides=("--fault.collective_timeout_s=1e300",)), "fault.collective_timeout_s = 1e+300 must be positive"),
     (Case("default.toml", "run.threads_per_rank = 2^40: torch.set_num_threads overflowed in the workers",
@@ -257,7 +266,7 @@ def test_mutations_that_validate_train(tmp_path, monkeypatch, capsys):
     """The first few valid mutations on at most 2 ranks really run their 2 steps (drawn
     past CASE_LIST when needed: which draws are valid shifts whenever the schema grows)."""
     chosen = []
-    for index, case in enumerate(make_cases(count=4 * CASES)):
+    for index, case in enumerate(make_cases(count=10 * CASES)):
         folder = tmp_path / f"validate{index}"
         folder.mkdir()
         with monkeypatch.context() as patch:

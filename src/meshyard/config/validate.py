@@ -13,6 +13,7 @@ from typing import Iterable
 from meshyard.config.load import ConfigError, collect_config, did_you_mean
 from meshyard.config.sections import Config
 from meshyard.extras import config_problems
+from meshyard.models.gpt import GPT_PRESETS
 from meshyard.models.registry import MODEL_NAMES
 from meshyard.plugins import is_custom_reference
 from meshyard.runtime.parallel_dims import ParallelDims, ParallelDimsError
@@ -40,8 +41,6 @@ def _check_ranges(cfg: Config, problems: list[str]) -> None:
         )
     for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size"):
         need(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative (0 means default)")
-    if m.n_head and m.d_model and m.d_model % m.n_head:
-        problems.append(f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}")
     if m.context_length and m.context_length < d.seq_len:
         problems.append(
             f"model.context_length = {m.context_length} is shorter than data.seq_len = {d.seq_len}; "
@@ -141,6 +140,34 @@ def _check_comm(cfg: Config, problems: list[str]) -> None:
         )
 
 
+def _check_gpt_shape(cfg: Config, problems: list[str]) -> None:
+    """A built-in GPT's shape as it will be built (preset values where the config says 0)
+    against its heads and the tp/pp degrees: otherwise every worker fails building it."""
+    m, p = cfg.model, cfg.parallel
+    if m.name != "gpt" and m.name not in GPT_PRESETS:  # other models: only what the config itself says
+        if m.n_head > 0 and m.d_model and m.d_model % m.n_head:
+            problems.append(f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}")
+        return
+    preset = GPT_PRESETS.get(m.name, GPT_PRESETS["gpt-tiny"])
+    size = {key: getattr(m, key) or preset[key] for key in ("n_layer", "n_head", "d_model")}
+
+    def shown(key: str) -> str:
+        return f"model.{key} = {size[key]}" + ("" if getattr(m, key) else f" (from '{m.name}')")
+
+    if size["n_head"] > 0 and size["d_model"] % size["n_head"]:
+        problems.append(f"{shown('d_model')} is not divisible by {shown('n_head')}")
+    if p.tp > 1:
+        problems.extend(f"{shown(key)} is not divisible by parallel.tp = {p.tp}"
+                        for key in ("n_head", "d_model") if size[key] % p.tp)
+    stages = p.pp * p.pp_virtual_stages
+    if p.pp > 1 and not p.pp_split and size["n_layer"] < stages:
+        problems.append(f"{shown('n_layer')} blocks are fewer than the {stages} pipeline stages "
+                        "(parallel.pp x pp_virtual_stages); lower them or use more layers")
+    if p.pp > 1 and p.pp_split and all(isinstance(n, int) for n in p.pp_split) and sum(p.pp_split) != size["n_layer"]:
+        problems.append(f"parallel.pp_split = {p.pp_split} sums to {sum(p.pp_split)} blocks, not the "
+                        f"{size['n_layer']} of {shown('n_layer')}")
+
+
 def _check_model_parallel(cfg: Config, batch: BatchPlan | None, problems: list[str]) -> None:
     """Tensor/pipeline degrees, schedules, activation checkpointing: ranges and combinations."""
     p = cfg.parallel
@@ -219,6 +246,7 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
         except BatchPlanError as exc:
             problems.append(str(exc))
     _check_model_parallel(cfg, batch, problems)
+    _check_gpt_shape(cfg, problems)
     if problems:
         raise ConfigError(problems)
     assert dims is not None and batch is not None

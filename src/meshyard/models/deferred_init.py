@@ -8,28 +8,30 @@ distribution but other numbers, so instead the model's own initialisation is rep
 
 ``record_build`` runs the unchanged builder with uninitialised allocations
 (``torch.empty``, what every ``torch.nn`` layer uses) sent to the meta device, and
-records, per tensor, the in-place operations that initialise it. A random draw is
-recorded with the generator state it starts from, and is also made once on a scratch
-tensor of the same shape (one tensor at a time) so that the generator advances exactly
-as in a build on the device: later draws, and whatever runs after the build, see the
-same random numbers. ``InitRecord.compute(name)`` later replays one tensor's operations
-into a fresh full tensor; the parallel layout keeps only its own shard of it.
+records, per tensor, what initialises it in place: a ``torch.nn.init`` call, or an
+in-place tensor operation. A random step is recorded with the generator state it starts
+from, and is also run once on a scratch tensor of the same shape (one tensor at a time)
+so that the generator advances exactly as in a build on the device: later draws, and
+whatever runs after the build, see the same random numbers. ``InitRecord.compute(name)``
+later replays one tensor's steps into a fresh full tensor; the parallel layout keeps
+only its own shard of it.
 
 The protocol a builder follows for this to work (``torch.nn`` layers, ``torch.nn.init``
 and meshyard's models do):
 
 1. tensors are allocated with ``torch.empty`` and then initialised in place
-   (``reset_parameters``, ``nn.init.*``, ``fill_``, ``mul_``, ``copy_`` from a real
-   tensor ...): these cost nothing until materialised;
+   (``reset_parameters``, any ``nn.init`` function, ``fill_``, ``mul_``, ``copy_`` from
+   a real tensor ...): these cost nothing until materialised;
 2. tensors created with their values (``nn.Parameter(torch.ones(d))``, a causal mask or
    rotary table registered as a buffer) are computed on the device during the build and
    kept as they are, so they should be small.
 
 Anything else raises ``DeferredInitError`` naming what was found, and the caller builds
-the model on the device instead: writes through views (``nn.Embedding(padding_idx=...)``
-zeroes one row), values computed from other deferred tensors (``nn.init.orthogonal_``),
-random draws from a private ``torch.Generator`` or into meta tensors that are not
-initialised in place, tensors that are never initialised.
+the model on the device instead: writes into part of a tensor (``nn.Embedding`` with
+``padding_idx`` zeroes one row), values computed from other deferred tensors (one
+parameter copied into another), random draws from a private ``torch.Generator`` or into
+meta tensors that are not initialised in place, tensors never initialised, a builder
+that fails on the meta device.
 """
 
 from __future__ import annotations
@@ -168,14 +170,10 @@ class _Recorder(TorchDispatchMode):
     @contextmanager
     def watching_init_calls(self) -> Iterator[None]:
         """Record ``torch.nn.init`` calls on meta tensors while the block runs (this thread)."""
+        # A profiler running meanwhile misses the build: its hook may not be callable
+        # from Python, and chaining to it would risk unsetting this one.
         previous = sys.getprofile()
-
-        def hook(frame: Any, event: str, arg: Any) -> None:
-            if previous is not None:
-                previous(frame, event, arg)
-            self._on_call(frame, event)
-
-        sys.setprofile(hook)
+        sys.setprofile(lambda frame, event, arg: self._on_call(frame, event))
         try:
             yield
         finally:
@@ -195,8 +193,9 @@ class _Recorder(TorchDispatchMode):
         try:
             self._record(function, tensor, (), kwargs, function not in _DETERMINISTIC_INITS, overwrites=True)
         except Exception as problem:  # raised inside a profile hook, it would unset the hook: kept for later
-            self.problem = self.problem or (problem if isinstance(problem, DeferredInitError) else
-                                            DeferredInitError(f"{function.__name__} failed on a scratch copy: {problem}"))
+            if not isinstance(problem, DeferredInitError):
+                problem = DeferredInitError(f"{function.__name__} failed on a scratch copy: {problem!r}")
+            self.problem = self.problem or problem
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A tensor laid out as ``like`` over one reused buffer: a fresh allocation per draw
@@ -311,8 +310,12 @@ def record_build(build: Callable[[], nn.Module], device: torch.device) -> tuple[
         if recorder.problem is not None:
             raise recorder.problem
         tensors = _collect(model, recorder)
-    except DeferredInitError:
+    except Exception as failure:
         torch.set_rng_state(states[0])
         generator.set_state(states[1])
-        raise
+        if isinstance(failure, DeferredInitError):
+            raise
+        # E.g. a builder that reads values (meta tensors have none); a fault of the
+        # builder itself shows again when it runs on the device.
+        raise DeferredInitError(f"the builder failed on the meta device: {failure!r}") from failure
     return model, InitRecord(device, tensors, generator.get_state())

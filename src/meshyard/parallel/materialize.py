@@ -32,7 +32,8 @@ def meta_init_applies(strategy: str, pp: int) -> bool:
 
 
 def build_model_deferred(build: Callable[[], nn.Module], device: torch.device, deferred: bool,
-                         log: Callable[[str], None], warn: Callable[[str], None]) -> tuple[nn.Module, InitRecord | None]:
+                         log: Callable[[str], None],
+                         warn: Callable[[str], None]) -> tuple[nn.Module, InitRecord | None]:
     """``build()`` on the meta device with the record to ``materialize`` it, when
     ``deferred`` and the builder allows it; else on ``device`` (and no record).
 
