@@ -101,3 +101,11 @@ def test_non_utf8_file_exits_2_naming_file_and_line(tmp_path, capsys, command):
     assert main([*command, str(path), f"--run.dir={tmp_path / 'runs'}"]) == 2
     err = capsys.readouterr().err
     assert f"{path}, line 3: byte 0xe9 is not UTF-8" in err and "Traceback" not in err
+
+
+def test_config_recorded_before_a_key_was_retired_still_loads(tmp_path):
+    """Earlier runs recorded ``data.tokenizer = "byte"`` in config.toml; resuming them must work."""
+    cfg = load_config(write(tmp_path, "[data]\ntokenizer = 'byte'\nseq_len = 64\n"))
+    assert cfg.data.seq_len == 64
+    with pytest.raises(ConfigError, match="unknown key 'data.tokenizer'"):
+        load_config(write(tmp_path, "[data]\ntokenizer = 'bpe'\n"))

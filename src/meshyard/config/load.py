@@ -152,6 +152,11 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
+# Keys that no longer exist, with the one value they could ever hold: config.toml files
+# recorded by earlier runs still load (and resume), any other value is an unknown key.
+RETIRED_KEYS: dict[str, Any] = {"data.tokenizer": "byte"}
+
+
 def merge(config: Config, values: dict[str, Any], origin: str, problems: list[str]) -> None:
     """Write ``{section: {field: value}}`` into ``config``, appending problems found."""
     for section_name, table in values.items():
@@ -165,6 +170,8 @@ def merge(config: Config, values: dict[str, Any], origin: str, problems: list[st
         types = _field_types(type(section))
         for key, value in table.items():
             where = f"{section_name}.{key}"
+            if where in RETIRED_KEYS and value == RETIRED_KEYS[where]:
+                continue
             if key not in types:
                 problems.append(f"unknown key '{where}' in {origin}{did_you_mean(key, types)}")
                 continue

@@ -9,13 +9,35 @@ from typing import Any, Callable
 import torch
 
 
-def _rss_bytes() -> int:
-    """Current resident set size (Linux /proc; falls back to the peak on other systems)."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+class _ResidentSetReader:
+    """Current resident set size, read every step from a /proc file kept open.
+
+    Opening /proc/self/statm each step costs more than the read itself; ``pread`` on one
+    descriptor rereads it at offset 0. Elsewhere than Linux it falls back to the peak.
+    """
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> int:
+        if self._fd is not None:
+            try:
+                return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+            except (OSError, ValueError, IndexError):
+                pass
+        return _peak_rss_bytes()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def total_host_memory() -> int:
@@ -62,6 +84,7 @@ class MemoryProbe:
         self._nvml = nvml
         self._nvml_handle = None
         self._nvml_figures = dict(NVML_FIGURES)
+        self._rss = _ResidentSetReader()
         if device.type == "cuda":
             try:
                 if self._nvml is None:
@@ -82,8 +105,7 @@ class MemoryProbe:
 
     def read(self) -> dict[str, Any]:
         if self.device.type != "cuda":
-            return {"rss_bytes": _rss_bytes(),
-                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            return {"rss_bytes": self._rss(), "peak_rss_bytes": _peak_rss_bytes()}
         figures: dict[str, Any] = {
             "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device),
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
