@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,13 @@ class Agreed:
     preempt: bool
     save_now: bool
     nonfinite: bool
+
+
+class _PendingAgreement(NamedTuple):
+    """The step's agreement all-reduce in flight (``work`` is None on one rank)."""
+
+    flags: torch.Tensor
+    work: dist.Work | None
 
 
 @dataclass
@@ -171,21 +178,36 @@ class Trainer:
         self._saved_step = self.progress.step
 
     # steps ----------------------------------------------------------------------
-    def _agree(self, loss: torch.Tensor) -> "Agreed":
-        """One all-reduce per step carries the loss and the facts every rank must agree
-        on: a preemption signal seen by any rank, rank 0's clock asking for a time-based
-        checkpoint, and whether any rank's loss is not finite."""
-        value = loss.detach().item()
-        finite = math.isfinite(value)
+    def _start_agreement(self, loss: torch.Tensor) -> "_PendingAgreement":
+        """Start the one all-reduce per step that carries the loss and the facts every rank
+        must agree on: a preemption signal seen by any rank, rank 0's clock asking for a
+        time-based checkpoint, and whether any rank's loss is not finite.
+
+        It is started before the optimizer step and read after it, so it overlaps the
+        step instead of adding a blocking collective to it. The flags are built on the
+        loss's device without reading the loss, so nothing waits for the backward here.
+        """
+        value = loss.detach().to(torch.float64).reshape(())
+        finite = torch.isfinite(value)
         weight = float(self.runner.holds_loss)
-        flags = torch.tensor(
-            [value * weight if finite else 0.0, weight, float(self.preemption.requested),
-             float(self.checkpoints.time_due()), float(not finite)],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(flags)
-        mean = flags[0].item() / flags[1].item() if flags[4].item() == 0 else float("nan")
-        return Agreed(mean, flags[2].item() > 0, flags[3].item() > 0, flags[4].item() > 0)
+        flags = torch.stack([
+            torch.where(finite, value * weight, torch.zeros_like(value)), value.new_full((), weight),
+            value.new_full((), float(self.preemption.requested)),
+            value.new_full((), float(self.checkpoints.time_due())), (~finite).to(torch.float64),
+        ])
+        work = dist.all_reduce(flags, async_op=True) if dist.get_world_size() > 1 else None
+        return _PendingAgreement(flags, work)
+
+    def _finish_agreement(self, pending: "_PendingAgreement") -> "Agreed":
+        """Wait for the step's agreement; on a GPU also for the step's kernels, so that the
+        step's time covers the optimizer (the all-reduce ran on its own stream)."""
+        if pending.work is not None:
+            pending.work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        total, weight, preempt, save_now, nonfinite = pending.flags.tolist()
+        mean = total / weight if nonfinite == 0 else float("nan")
+        return Agreed(mean, preempt > 0, save_now > 0, nonfinite > 0)
 
     def _mean_of_losses(self, value: torch.Tensor) -> float:
         """Mean of a per-rank loss over the ranks that compute one (gloo has no AVG).
@@ -202,16 +224,18 @@ class Trainer:
             out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         return out
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad norm)."""
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, "_PendingAgreement"]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad
+        norm, the step's agreement in flight)."""
         loss = self.runner.forward_backward(micro_batches)
+        pending = self._start_agreement(loss)
         # Runners that cannot time forward and backward apart (a pipeline schedule
         # interleaves them) report their step's split instead.
         for phase, seconds in getattr(self.runner, "phase_split", dict)().items():
             self.timer.add(phase, seconds)
         with self.timer.phase("optimizer"):
             grad_norm = self._optimizer_step()
-        return loss, grad_norm
+        return loss, grad_norm, pending
 
     def _optimizer_step(self) -> torch.Tensor:
         self.precision.scaler.unscale_(self.optimizer)
@@ -273,9 +297,9 @@ class Trainer:
         data_time = time.perf_counter() - step_start
         self.timer.add("data", data_time)
         lr = self.scheduler.get_last_lr()[0]
-        loss, grad_norm = self.train_step(micro_batches)
+        loss, grad_norm, pending = self.train_step(micro_batches)
         with self.timer.phase("comm", where="sync"):
-            agreed = self._agree(loss)  # also waits for the step to finish
+            agreed = self._finish_agreement(pending)  # also waits for the step to finish
         step_time = time.perf_counter() - step_start
         self.progress.step += 1
         self.progress.tokens_seen += self.tokens_per_step
