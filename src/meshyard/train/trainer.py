@@ -228,7 +228,8 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad
         norm, the step's agreement in flight)."""
         loss = self.runner.forward_backward(micro_batches)
-        pending = self._start_agreement(loss)
+        with self.timer.phase("comm", where="sync"):
+            pending = self._start_agreement(loss)
         # Runners that cannot time forward and backward apart (a pipeline schedule
         # interleaves them) report their step's split instead.
         for phase, seconds in getattr(self.runner, "phase_split", dict)().items():
