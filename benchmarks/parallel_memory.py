@@ -24,7 +24,7 @@ from meshyard.config.sections import ModelConfig, OptimConfig, ParallelConfig
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.parallelize import parallelize
-from meshyard.runtime.parallel_dims import ParallelDims
+from meshyard.parallel.layout import Layout
 from meshyard.train.optim import build_optimizer
 
 LAYOUTS = {  # name: (ranks, parallel config)
@@ -46,10 +46,10 @@ def _rank(rank: int, world: int, folder: str, model_name: str, layout: str) -> N
                             world_size=world)
     try:
         cfg = LAYOUTS[layout][1]
-        dims = ParallelDims.resolve(cfg.strategy, world, tp=cfg.tp, pp=cfg.pp)
-        mesh, _ = dims.build_mesh("cpu")
+        layout = Layout.resolve(cfg, world)
+        mesh, _ = layout.dims.build_mesh("cpu")
         torch.manual_seed(0)
-        model = parallelize(build_model(ModelConfig(name=model_name), 256, 128), dims, mesh, cfg).model
+        model = parallelize(build_model(ModelConfig(name=model_name), 256, 128), layout, mesh).model
         plain = unwrap(model)
         optimizer = build_optimizer(plain, OptimConfig(), 1e-3)
         for param in plain.parameters():  # one step's worth of gradients, laid out like the parameters

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from meshyard.config.load import load_config
 from meshyard.config.sections import Config
+from meshyard.validate import with_local_nproc
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,7 +37,7 @@ def tiny_config(tmp_path: Path, *overrides: str) -> Config:
         "--train.steps=4", "--train.global_batch=8", "--train.eval_every=0", "--optim.warmup_steps=2",
         "--metrics.progress_bar=false", "--checkpoint.enabled=false", f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
     ]
-    return load_config(None, [*base, *overrides])
+    return with_local_nproc(load_config(None, [*base, *overrides]))
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 
 from meshyard.cli import main
 from meshyard.config.load import load_config
-from meshyard.config.validate import load_and_validate
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import is_custom_reference, load_callable
+from meshyard.validate import load_and_validate
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml"))
 

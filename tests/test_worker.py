@@ -6,7 +6,7 @@ import pytest
 
 import meshyard.worker
 from meshyard.config.dump import config_to_dict
-from meshyard.config.validate import validate
+from meshyard.validate import validate
 
 
 class Stop(Exception):

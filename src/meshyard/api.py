@@ -16,15 +16,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from meshyard.checkpoint.resume import RESUME_MODES, ResumeError, find_explicit, latest_run_dir
+from meshyard.checkpoint.locate import LocationError, Runs, latest_run_dir
+from meshyard.checkpoint.resume import RESUME_MODES, ResumeError, find_explicit
 from meshyard.config.dump import config_to_dict
 from meshyard.config.load import ConfigError
 from meshyard.config.sections import Config
-from meshyard.config.validate import validate
 from meshyard.data.corpus import DataSourceError
 from meshyard.data.loader import split_corpus
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
@@ -32,10 +32,14 @@ from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import PluginError, is_custom_reference, load_callable, unaccepted_keywords
 from meshyard.run_dir import resolve_run_dir
-from meshyard.runtime.devices import (default_nproc, local_launch_problem, require_deterministic_cublas,
-                                      visible_gpu_count)
+from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.environment import detect_environment
+from meshyard.validate import validate, validate_local_launch
 from meshyard.worker import run_worker, spawned_worker
+
+
+WorkerArgs = tuple[dict[str, Any], str, str]
+"""What every worker is started with: the config as plain values, the run directory, the resume mode."""
 
 
 @dataclass(frozen=True)
@@ -55,57 +59,76 @@ def prepare_inputs(config: Config) -> None:
 
     The corpus is tokenized into its cache here, once, rather than by every worker.
     """
-    problems = []
-    for key, reference in (("model.name", config.model.name), ("data.source", config.data.source)):
-        if is_custom_reference(reference):
-            try:
-                builder = load_callable(reference)
-            except PluginError as exc:
-                problems.append(f"{key}: {exc}")
-                continue
-            unknown = unaccepted_keywords(builder, config.model.options) if key == "model.name" else []
-            if unknown:
-                problems.append(f"model.options: '{reference}' takes no keyword argument "
-                                f"{', '.join(repr(name) for name in unknown)}")
+    problems = _plugin_problems(config)
     if not is_custom_reference(config.data.source):
-        try:
-            train, _, vocab_size, description = split_corpus(config.data)
-        except DataSourceError as exc:
-            problems.append(str(exc))
-        else:
-            # Both would fail in every worker: a model with fewer ids than the data on the first
-            # batch (an index out of range), a split without one global batch in its sampler.
-            if 0 < config.model.vocab_size < vocab_size:
-                problems.append(f"model.vocab_size = {config.model.vocab_size} is smaller than the "
-                                f"{vocab_size} token ids of {description}; raise it, or "
-                                "leave it at 0 to take the data's")
-            if len(train) < config.train.global_batch:
-                problems.append(f"the training split of {description} has {len(train)} samples of "
-                                f"{config.data.seq_len} tokens, fewer than one train.global_batch of "
-                                f"{config.train.global_batch}; use more data (data.max_tokens, data.random_tokens, "
-                                "data.paths) or a smaller train.global_batch / data.seq_len")
+        problems.extend(_corpus_problems(config))
     if problems:
         raise ConfigError(problems)
 
 
-def _resume_target(config: Config, resume: str) -> tuple[Config, str]:
-    """Resolve ``latest`` to the run directory it continues, and check an explicit
-    checkpoint location before any worker starts (a typo fails here, with exit code 2)."""
-    if resume == "latest":
-        previous = latest_run_dir(config.run)
-        if previous is None:
-            raise ConfigError([f"--resume latest: no earlier run named '{config.run.name}' with checkpoints "
-                               f"under {config.run.dir}; use --resume none to start fresh"])
-        return dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(previous))), "auto"
-    if resume not in RESUME_MODES:
+def _plugin_problems(config: Config) -> list[str]:
+    """Model and dataset builders named as ``module:function`` that do not import, or a
+    model builder that takes none of the ``model.options`` given."""
+    problems = []
+    for key, reference in (("model.name", config.model.name), ("data.source", config.data.source)):
+        if not is_custom_reference(reference):
+            continue
         try:
-            find_explicit(resume, config.checkpoint, lambda message: print(f"meshyard: {message}"))
-        except (ResumeError, OSError) as exc:
-            raise ConfigError([str(exc)]) from None
+            builder = load_callable(reference)
+        except PluginError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
+        unknown = unaccepted_keywords(builder, config.model.options) if key == "model.name" else []
+        if unknown:
+            problems.append(f"model.options: '{reference}' takes no keyword argument "
+                            f"{', '.join(repr(name) for name in unknown)}")
+    return problems
+
+
+def _corpus_problems(config: Config) -> list[str]:
+    """A built-in corpus that cannot be read, or that every worker would fail on: a model
+    with fewer ids than the data (an index out of range on the first batch), a split
+    without one global batch for its sampler."""
+    try:
+        train, _, vocab_size, description = split_corpus(config.data)
+    except DataSourceError as exc:
+        return [str(exc)]
+    problems = []
+    if 0 < config.model.vocab_size < vocab_size:
+        problems.append(f"model.vocab_size = {config.model.vocab_size} is smaller than the "
+                        f"{vocab_size} token ids of {description}; raise it, or "
+                        "leave it at 0 to take the data's")
+    if len(train) < config.train.global_batch:
+        problems.append(f"the training split of {description} has {len(train)} samples of "
+                        f"{config.data.seq_len} tokens, fewer than one train.global_batch of "
+                        f"{config.train.global_batch}; use more data (data.max_tokens, data.random_tokens, "
+                        "data.paths) or a smaller train.global_batch / data.seq_len")
+    return problems
+
+
+def _resume_target(config: Config, resume: str) -> tuple[Config, str]:
+    """Resolve ``latest`` to the run directory it continues (in place, as ``auto``), and
+    check that it or an explicit location holds a valid checkpoint before any worker
+    starts (a typo fails here, with exit code 2). Both are found by ``locate``, as
+    ``meshyard ckpt`` finds them."""
+    location = resume
+    if resume == "latest":
+        try:
+            location = str(latest_run_dir(Runs(config.run.dir, config.run.name)))
+        except LocationError as exc:
+            raise ConfigError([f"--resume {exc}; or use --resume none to start fresh"]) from None
+        config, resume = dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=location)), "auto"
+    elif resume in RESUME_MODES:
+        return config, resume
+    try:
+        find_explicit(location, config.checkpoint, lambda message: print(f"meshyard: {message}"))
+    except (ResumeError, OSError) as exc:
+        raise ConfigError([str(exc)]) from None
     return config, resume
 
 
-def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunResult:
+def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
+        earlier_problems: Sequence[str] = ()) -> RunResult:
     """Train according to ``config``.
 
     Inside torchrun, Slurm or a Kubeflow pod this process becomes one rank of that job.
@@ -118,22 +141,19 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
     ``latest`` (continue the newest run of this name), ``none``, or a checkpoint, checkpoint
     folder or run directory (path or URL).
 
+    ``earlier_problems``: problems already found in ``config`` while loading it (those of
+    ``collect_config``); they are raised together with this function's own checks, so one
+    message lists everything to fix.
+
     Raises ``ConfigError`` before starting anything if the configuration is invalid (more
     local workers than GPUs included, unless ``run.share_gpus`` allows it), and
     ``Preempted`` when the run stopped for a preemption signal after saving.
     """
     env = detect_environment()
     if env is not None:
-        validate(config, env.world_size)
-        summary = run_worker(config_to_dict(config), "", resume)
-        run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run)
-        return RunResult(run_dir, summary)
-
-    gpus = visible_gpu_count()
-    nproc = nproc or config.run.nproc or default_nproc(config.run.device, gpus)
-    config = dataclasses.replace(config, run=dataclasses.replace(config.run, nproc=nproc))
-    launch_problem = local_launch_problem(nproc, config.run.device, gpus, config.run.share_gpus)
-    validate(config, nproc, [launch_problem] if launch_problem else [])
+        validate(config, env.world_size, earlier_problems)  # the one full check of this process
+        return _run_as_rank(config, resume)
+    config, _ = validate_local_launch(config, nproc, earlier_problems)
     config, resume = _resume_target(config, resume)
     prepare_inputs(config)  # before the run directory exists: bad input leaves nothing behind
     run_dir = resolve_run_dir(config.run)
@@ -141,31 +161,51 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto") -> RunRe
     print(f"meshyard: run directory {run_dir}", flush=True)
     # Workers inherit this environment, and cuBLAS reads the setting when CUDA starts in them.
     require_deterministic_cublas(config.train.deterministic, config.run.device, os.environ)
-    args = (config_to_dict(config), str(run_dir), resume)
-    if nproc == 1:
-        threads = torch.get_num_threads()
-        try:
-            summary = run_worker(*args)
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        started = time.time()
-        try:
-            summary = launch_local(spawned_worker, args, nproc, config.fault.max_restarts,
-                                   config.fault.grace_period_s, config.fault.signals)[0]
-        except WorkerFailure as failure:
-            if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
-                raise _preemption_from_record(run_dir, started) from None
-            raise
-        except LauncherStopped as stopped:
-            # The signal reached this process too; the agent passed it on to the workers,
-            # which saved (or not) within the grace period.
-            preempted = _preemption_from_record(run_dir, started)
-            if preempted.step < 0:
-                raise WorkerFailure(f"stopped by signal {stopped.signal_number} before the workers could save; "
-                                    f"raise fault.grace_period_s if saves take longer", []) from None
-            raise preempted from None
+    args: WorkerArgs = (config_to_dict(config), str(run_dir), resume)
+    summary = _run_in_process(args) if config.run.nproc == 1 else _run_local_workers(config, args, run_dir)
     return RunResult(run_dir, summary)
+
+
+def _run_as_rank(config: Config, resume: str) -> RunResult:
+    """This process is one rank of a job another launcher started (torchrun, Slurm, Kubeflow)."""
+    summary = run_worker(config_to_dict(config), "", resume)
+    run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run)
+    return RunResult(run_dir, summary)
+
+
+def _run_in_process(args: WorkerArgs) -> dict[str, Any] | None:
+    """One worker, in this process; the caller's torch thread count is given back after."""
+    threads = torch.get_num_threads()
+    try:
+        return run_worker(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path) -> dict[str, Any] | None:
+    """``config.run.nproc`` workers through the elastic agent; rank 0's summary.
+
+    Raises ``Preempted`` when they stopped for a preemption signal after saving (all
+    exited with ``EXIT_PREEMPTED``, or this process got the signal too), else
+    ``WorkerFailure``.
+    """
+    fault = config.fault
+    started = time.time()
+    try:
+        return launch_local(spawned_worker, args, config.run.nproc, fault.max_restarts, fault.grace_period_s,
+                            fault.signals)[0]
+    except WorkerFailure as failure:
+        if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
+            raise _preemption_from_record(run_dir, started) from None
+        raise
+    except LauncherStopped as stopped:
+        # The signal reached this process too; the agent passed it on to the workers,
+        # which saved (or not) within the grace period.
+        preempted = _preemption_from_record(run_dir, started)
+        if preempted.step < 0:
+            raise WorkerFailure(f"stopped by signal {stopped.signal_number} before the workers could save; "
+                                f"raise fault.grace_period_s if saves take longer", []) from None
+        raise preempted from None
 
 
 def _preemption_from_record(run_dir: Path, since: float) -> Preempted:

@@ -10,12 +10,10 @@ from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.doctor import cli as doctor_cli
 from meshyard.extras import MissingExtra
-from meshyard.config.load import ConfigError, group_override_tokens, load_config
-from meshyard.config.validate import load_and_validate
+from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.launch.local import WorkerFailure
 from meshyard.plan import cli as plan_cli
-from meshyard.runtime.environment import detect_environment
 from meshyard.verify import cli as verify_cli
 
 EXIT_BAD_INPUT = 2
@@ -77,9 +75,10 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.nproc is not None:
         overrides = [*overrides, f"--run.nproc={args.nproc}"]
-    env = detect_environment()
-    config, _ = load_and_validate(args.config, overrides, env.world_size if env else None)
-    result = run(config, resume=args.resume)
+    # run() validates once, for the world size it will run at; problems met on load are
+    # reported with its own, in one message.
+    config, problems = collect_config(args.config, overrides)
+    result = run(config, resume=args.resume, earlier_problems=problems)
     if result.summary is not None:
         print(f"meshyard: finished; records in {result.run_dir}", flush=True)
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -56,8 +58,30 @@ def test_export_has_plain_names_that_load_into_the_model(fsdp_run, tmp_path, cap
 
 def test_bad_path_exits_2(tmp_path, capsys):
     assert main(["ckpt", "list", str(tmp_path / "nowhere")]) == 2
-    assert "holds no checkpoints" in capsys.readouterr().err
+    assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert main(["ckpt", "list", str(tmp_path)]) == 2
+    assert f"{tmp_path} holds no checkpoint" in capsys.readouterr().err
     assert main(["ckpt", "list", str(tmp_path), "--train.steps=3"]) == 2
+
+
+def test_inspect_and_export_skip_a_damaged_newest_checkpoint(fsdp_run, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(fsdp_run.run_dir / "checkpoints", copy / "checkpoints")
+    manifest_path = copy / "checkpoints" / "step-00000004" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["__0_0.distcp"]["size"] += 1  # the manifest disagrees with the file
+    manifest_path.write_text(json.dumps(manifest))
+    assert main(["ckpt", "inspect", str(copy)]) == 0
+    captured = capsys.readouterr()
+    assert '"step": 2,' in captured.out and "step-00000004 is not valid" in captured.err
+    assert main(["ckpt", "export", str(copy), "--out", str(tmp_path / "model.pt")]) == 0
+    # Named exactly, it is shown as it is, and not exported.
+    assert main(["ckpt", "inspect", str(copy / "checkpoints" / "step-00000004")]) == 0
+    out = capsys.readouterr().out
+    assert '"step": 4,' in out and "__0_0.distcp" in out  # the problem
+    assert main(["ckpt", "export", str(copy / "checkpoints" / "step-00000004"), "--out", str(tmp_path / "x.pt")]) == 2
 
 
 def test_safetensors_export_without_the_package_names_the_extra(fsdp_run, tmp_path, capsys, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import types
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from meshyard.checkpoint.resume import ResumePoint, load_resume_point
+from meshyard.checkpoint.checkpointer import Checkpointer, TrainingState
+from meshyard.checkpoint.manager import NullCheckpointManager
+from meshyard.checkpoint.resume import ResumePoint
 from meshyard.checkpoint.state import RNG_BLOB_BYTES, capture_rng, restore_rng, rng_key, tensor_state
 from meshyard.checkpoint.tools import model_state, resolve
 from meshyard.config.load import load_config
@@ -38,20 +39,23 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def fresh_trainer() -> types.SimpleNamespace:
+def fresh_state() -> TrainingState:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    return types.SimpleNamespace(model=model, optimizer=optimizer, extra_state=None,
-                                 load_trainer_state=lambda state: None)
+    return TrainingState(model, optimizer)
+
+
+def fresh_checkpointer() -> Checkpointer:
+    return Checkpointer(NullCheckpointManager(), fresh_state(), rank=0, cfg=load_config(None, []).checkpoint)
 
 
 def write_checkpoint(root: Path, tamper) -> ResumePoint:
     """A checkpoint of a small model whose DCP state was changed by ``tamper`` first."""
-    trainer = fresh_trainer()
-    state = tensor_state(trainer.model, trainer.optimizer, rank=0)
+    parts = fresh_state()
+    state = tensor_state(parts.model, parts.optimizer, rank=0)
     tamper(state)
     directory = root / "step-00000001"
     dcp.save(state, storage_writer=FileSystemWriter(str(directory)))
@@ -72,9 +76,8 @@ def pickled_blob(obj) -> torch.Tensor:
 def test_a_pickle_in_the_rng_slot_is_never_run(one_rank, tmp_path):
     marker = tmp_path / "ran"
     point = write_checkpoint(tmp_path, lambda state: state.update({rng_key(0): pickled_blob(Planted(marker))}))
-    cfg = load_config(None, []).checkpoint
     with pytest.warns(UserWarning, match="RNG state is not in"):
-        restored = load_resume_point(point, cfg, fresh_trainer(), rank=0)
+        restored = fresh_checkpointer().load(point)
     assert not marker.exists()
     assert restored is False  # the caller reseeds
 
@@ -87,9 +90,8 @@ def test_a_pickle_in_a_hyperparameter_is_never_run(one_rank, tmp_path):
         state["optim"][key] = Planted(marker)
 
     point = write_checkpoint(tmp_path, plant)
-    cfg = load_config(None, []).checkpoint
     with pytest.raises(BaseException, match="weights_only|Unsupported global"):
-        load_resume_point(point, cfg, fresh_trainer(), rank=0)
+        fresh_checkpointer().load(point)
     with pytest.raises(BaseException, match="weights_only|Unsupported global"):
         model_state(resolve(point.location, {}))  # the offline tools read the same way
     assert not marker.exists()

@@ -7,7 +7,7 @@ import pytest
 from meshyard.cli import main
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, load_config
-from meshyard.config.validate import validate
+from meshyard.validate import validate
 
 
 def problems_of(*overrides: str, world_size: int = 2) -> list[str]:

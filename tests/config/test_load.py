@@ -16,9 +16,9 @@ def write(tmp_path, text: str):
 
 
 def test_defaults_without_file():
-    cfg = load_config()
-    assert cfg.run.nproc >= 1 and Config().run.nproc == 0  # 0 ("this machine's default") is resolved on load
-    assert dataclasses.replace(cfg, run=Config().run) == Config()
+    # Loading looks at nothing but its inputs: run.nproc = 0 ("this machine's default")
+    # is resolved by the launching process (meshyard.validate.with_local_nproc).
+    assert load_config() == Config()
 
 
 def test_every_field_is_documented():

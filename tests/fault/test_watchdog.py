@@ -5,7 +5,15 @@ import time
 
 import torch.distributed as dist
 
-from meshyard.fault.watchdog import HangWatchdog, laggards
+from meshyard.fault.watchdog import COLLECTIVE_OF_PHASE, WATCHED_POSITIONS, HangWatchdog, laggards
+
+
+def test_watched_positions_follow_the_step_phases():
+    """The step's timed phases in their order (exposed communication is not a place; the
+    step's blocking collective is "sync"), between start-up and the events after a step."""
+    assert WATCHED_POSITIONS == ("starting", "data", "forward", "backward", "optimizer", "sync", "eval",
+                                 "checkpoint", "finished")
+    assert set(COLLECTIVE_OF_PHASE) <= set(WATCHED_POSITIONS)
 
 
 def test_laggards_are_the_earliest_ranks():

@@ -7,7 +7,17 @@ import signal
 import time
 import urllib.request
 
+from meshyard.metrics.exporters import SCALARS
 from tests.checkpoint.helpers import finish, start
+
+
+def test_exported_scalars_are_the_schemas_and_keep_their_order():
+    """Prometheus lists gauges in the order they were registered: the same as before the
+    list came from the schema."""
+    assert SCALARS == ("loss", "eval_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",
+                       "samples_per_s", "mfu", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s",
+                       "rss_bytes", "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "comm_bytes",
+                       "compression_ratio")
 
 
 def test_prometheus_serves_step_and_per_rank_metrics_on_loopback(tmp_path):

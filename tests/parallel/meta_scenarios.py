@@ -20,6 +20,7 @@ from meshyard.config.sections import ParallelConfig
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.materialize import build_model_deferred, materialize
+from meshyard.parallel.layout import Layout as ParallelLayout
 from meshyard.parallel.parallelize import parallelize
 from meshyard.runtime.parallel_dims import ParallelDims
 
@@ -56,7 +57,7 @@ def build_as_worker(layout: Layout, shape: GPTShape, deferred: bool) -> nn.Modul
     model, record = build_model_deferred(lambda: GPT(shape), torch.device("cpu"), deferred,
                                          log=lambda message: None, warn=lambda message: None)
     assert (record is not None) == deferred
-    model, _ = parallelize(model, dims, mesh, cfg)
+    model = parallelize(model, ParallelLayout(cfg, dims), mesh).model
     if record is not None:
         materialize(model, record)
     return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshyard.config.load import ConfigError, load_config
-from meshyard.config.validate import validate
+from meshyard.validate import validate
 
 
 def problems_of(world_size: int, *overrides: str) -> list[str]:

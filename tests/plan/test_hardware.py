@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshyard.plan.hardware import GPUS, LINKS, CatalogError, gpu_spec, link_spec, make_cluster
+from meshyard.hardware import GPUS, LINKS, CatalogError, gpu_spec, link_spec
+from meshyard.plan.hardware import make_cluster
 from meshyard.plan.units import fmt_bytes, parse_size
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.distributed_c10d import BackendConfig
 
-from meshyard.config.load import ConfigError, load_config
+from meshyard.config.load import ConfigError
 from meshyard.metrics.ranks import RankWindow
 from meshyard.runtime.devices import (CUBLAS_WORKSPACE, default_nproc, local_launch_problem, process_group_backend,
                                       require_deterministic_cublas, shared_gpu_groups)
@@ -84,15 +84,6 @@ def test_default_group_takes_every_cpu_collective_on_two_ranks():
 @pytest.mark.parametrize("request_, gpus, expected", [("auto", 4, 4), ("cuda", 2, 2), ("auto", 0, 2), ("cpu", 8, 2)])
 def test_default_process_count_is_one_per_gpu_on_cuda(request_, gpus, expected):
     assert default_nproc(request_, gpus) == expected
-
-
-def test_nproc_zero_resolves_on_load(monkeypatch):
-    monkeypatch.setattr("meshyard.config.load.visible_gpu_count", lambda: 4)
-    assert load_config().run.nproc == 4
-    assert load_config(None, ["--run.device=cpu"]).run.nproc == 2
-    assert load_config(None, ["--run.nproc=3"]).run.nproc == 3
-    monkeypatch.setattr("meshyard.config.load.visible_gpu_count", lambda: 0)
-    assert load_config().run.nproc == 2
 
 
 def test_more_local_ranks_than_gpus_is_refused_unless_shared():

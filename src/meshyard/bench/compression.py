@@ -29,7 +29,8 @@ from meshyard.bench.report import (BenchInputError, bench_overrides, format_tabl
 from meshyard.comm import COMPRESSION_METHODS, build_compression
 from meshyard.config.load import ConfigError, load_config
 from meshyard.config.sections import Config
-from meshyard.config.validate import validate
+from meshyard.metrics.schema import keys_from
+from meshyard.validate import validate, with_local_nproc
 
 
 def parse_methods(text: str) -> list[str]:
@@ -49,7 +50,7 @@ def plan_configs(config_path: str | None, overrides: list[str], methods: list[st
         extra = [f"--comm.compression={method}", *bench_overrides(out_dir, method)]
         extra += [f"--train.steps={steps}"] if steps is not None else []
         extra += [f"--run.nproc={nproc}"] if nproc is not None else []
-        cfg = load_config(config_path, [*overrides, *extra])
+        cfg = with_local_nproc(load_config(config_path, [*overrides, *extra]))
         try:
             validate(cfg, cfg.run.nproc)
         except ConfigError as exc:
@@ -93,7 +94,7 @@ def _summarise(method: str, cfg: Config, records: list[dict[str, Any]], run_dir:
     if "comm_bytes" in records[-1]:
         source = "metrics.jsonl"
         figures = {key: statistics.fmean(r[key] for r in compressed)
-                   for key in ("comm_bytes", "compression_ratio", "comm_wire_bytes") if key in records[-1]}
+                   for key in keys_from("comm.accounting") if key in records[-1]}
     else:
         source = "accounting run"
         figures = measure_step_bytes(cfg, cfg.run.nproc)

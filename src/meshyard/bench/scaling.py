@@ -20,7 +20,7 @@ from meshyard.bench.report import (BenchInputError, bench_overrides, format_tabl
                                    write_record)
 from meshyard.config.load import ConfigError, load_config
 from meshyard.config.sections import Config
-from meshyard.config.validate import validate
+from meshyard.validate import validate, with_local_nproc
 
 MODES = ("weak", "strong")
 
@@ -43,7 +43,7 @@ def plan_configs(config_path: str | None, overrides: list[str], workers: list[in
     """The config of each worker count, all validated before anything runs."""
     if mode not in MODES:
         raise BenchInputError(f"--mode '{mode}' is not one of {', '.join(MODES)}")
-    base = load_config(config_path, overrides)
+    base = with_local_nproc(load_config(config_path, overrides))
     if mode == "weak" and base.train.global_batch % base.run.nproc:
         raise BenchInputError(
             f"weak scaling takes the per-worker batch from train.global_batch / run.nproc = "

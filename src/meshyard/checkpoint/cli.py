@@ -10,8 +10,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from meshyard.checkpoint.locate import LATEST_RUN, LocationError, Runs
 from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.tools import CheckpointToolError, export, list_checkpoints, model_state, resolve
+from meshyard.config.sections import RunConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_INVALID = 1
@@ -32,15 +34,24 @@ def _storage_options(pairs: list[str]) -> dict[str, object]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("ckpt", help="list, inspect, verify and export checkpoints",
-                              description="Work with checkpoints of a run, offline. PATH is a run directory, a "
-                              "folder of step-* checkpoints, or one checkpoint; local or an fsspec URL (s3://...).")
+                              description="Work with checkpoints of a run, offline. PATH is one checkpoint, a "
+                              "folder of step-* checkpoints, or a run directory (tried in that order), local or an "
+                              "fsspec URL (s3://...); or 'latest', the newest run of --run-name under --runs-dir. "
+                              "It is found as 'meshyard run --resume PATH' finds it.")
     sub = p.add_subparsers(dest="ckpt_command", required=True, metavar="{list,inspect,verify,export}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("path", metavar="PATH")
     common.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec option for remote storage (repeatable), e.g. endpoint_url=http://127.0.0.1:9000")
+    defaults = RunConfig()
+    common.add_argument("--runs-dir", default=defaults.dir, metavar="DIR",
+                        help=f"for PATH '{LATEST_RUN}': the parent folder of run directories (run.dir; default "
+                        f"{defaults.dir})")
+    common.add_argument("--run-name", default=defaults.name, metavar="NAME",
+                        help=f"for PATH '{LATEST_RUN}': the run name (run.name; default {defaults.name})")
     sub.add_parser("list", parents=[common], help="every checkpoint with its step, size and validity")
-    sub.add_parser("inspect", parents=[common], help="manifest and tensor shapes of one checkpoint (newest by default)")
+    sub.add_parser("inspect", parents=[common],
+                   help="manifest and tensor shapes of one checkpoint (of a folder or run: its newest valid one)")
     sub.add_parser("verify", parents=[common], help="check sizes and SHA-256 of every file; exit 1 if any is invalid")
     exp = sub.add_parser("export", parents=[common], help="write the model as one .safetensors or .pt file")
     exp.add_argument("--out", required=True, type=Path, help="output file: *.safetensors, or *.pt for torch.save")
@@ -49,16 +60,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     console = Console()
     try:
-        options = _storage_options(args.storage_option)
-        if args.ckpt_command == "list":
-            return _list(console, args.path, options, checksums=False)
-        if args.ckpt_command == "verify":
-            return _list(console, args.path, options, checksums=True)
-        ref = resolve(args.path, options)
+        options, runs = _storage_options(args.storage_option), Runs(args.runs_dir, args.run_name)
+        if args.ckpt_command in ("list", "verify"):
+            return _list(console, args.path, options, runs, checksums=args.ckpt_command == "verify")
+        ref = resolve(args.path, options, runs, report=lambda message: print(f"meshyard ckpt: {message}",
+                                                                             file=sys.stderr))
         if args.ckpt_command == "inspect":
-            manifest, problem = verify(ref.store, ref.store.path(ref.name), checksums=False)
+            store = ref.store()
+            manifest, problem = verify(store, store.path(ref.name), checksums=False)
             shown = {k: v for k, v in (manifest or {}).items() if k not in ("files", "config")}
-            console.print_json(json.dumps({"checkpoint": ref.store.url_of(ref.name), "problem": problem, **shown}))
+            console.print_json(json.dumps({"checkpoint": store.url_of(ref.name), "problem": problem, **shown}))
             table = Table("tensor", "shape", "dtype", title="model")
             for key, tensor in model_state(ref).items():
                 table.add_row(key, str(tuple(tensor.shape)), str(tensor.dtype).removeprefix("torch."))
@@ -66,13 +77,13 @@ def main(args: argparse.Namespace) -> int:
             return 0
         export(ref, args.out, report=lambda m: console.print(m, highlight=False))
         return 0
-    except (CheckpointToolError, FileNotFoundError, OSError) as exc:
-        print(f"meshyard ckpt: {exc}. Give a run directory, a checkpoint folder or one checkpoint.", file=sys.stderr)
+    except (LocationError, CheckpointToolError, OSError) as exc:  # a location's message says what to give instead
+        print(f"meshyard ckpt: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 
-def _list(console: Console, path: str, options: dict[str, object], checksums: bool) -> int:
-    rows = list_checkpoints(path, options, checksums=checksums)
+def _list(console: Console, path: str, options: dict[str, object], runs: Runs, checksums: bool) -> int:
+    rows = list_checkpoints(path, options, checksums=checksums, runs=runs)
     table = Table(title="checksums verified" if checksums else "sizes checked (verify checks SHA-256)")
     table.add_column("checkpoint", no_wrap=True, min_width=13)
     for column in ("step", "valid", "size", "world", "strategy", "eval loss", "latest"):

@@ -12,19 +12,16 @@ out (``agree_resume_point``): each rank reads only its part of the files, in par
 from __future__ import annotations
 
 import os
-import posixpath
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from meshyard.checkpoint.manager import find_latest_valid, read_trainer_state, step_of
-from meshyard.checkpoint.manifest import MANIFEST, verify
-from meshyard.checkpoint.state import SafeLoadPlanner, load_tensor_state
+from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate, newest_valid
+from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.storage import CheckpointStore
-from meshyard.config.sections import CheckpointConfig, RunConfig
+from meshyard.config.sections import CheckpointConfig
+from meshyard.runtime.distributed import rank0_decides
 
 RESUME_MODES = ("auto", "latest", "none")
 
@@ -33,58 +30,24 @@ class ResumeError(ValueError):
     """The requested resume source does not hold a usable checkpoint."""
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    root: str  # checkpoint root URL or path
-    name: str  # step-NNNNNNNN
-    manifest: dict[str, Any]
-
-    @property
-    def location(self) -> str:
-        return posixpath.join(self.root, self.name) if "://" not in self.root else f"{self.root.rstrip('/')}/{self.name}"
+# Where a run starts from: the one checkpoint type of ``locate``, under the name the
+# loading code knows it by.
+ResumePoint = CheckpointRef
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> str:
     return cfg.dir or str(run_dir / "checkpoints")
 
 
-def latest_run_dir(cfg: RunConfig) -> Path | None:
-    """The newest run directory named ``<run.name>-*`` (or ``<run.name>``) that has checkpoints."""
-    base = Path(cfg.dir).expanduser().resolve()
-    candidates = [p for p in base.glob(f"{cfg.name}*") if (p / "checkpoints").is_dir()
-                  and (p.name == cfg.name or p.name.startswith(f"{cfg.name}-"))]
-    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
-
-
 def find_explicit(location: str, cfg: CheckpointConfig, report: Callable[[str], None],
                   rejected: dict[str, str] | None = None) -> ResumePoint:
-    """A checkpoint named by the user: a checkpoint, a folder of them, or a run directory.
-    Manifests and file sizes are checked here; ``rejected`` maps the locations whose
+    """The valid checkpoint a ``--resume`` location names, found as ``meshyard ckpt`` finds
+    it (``locate``: manifests and file sizes). ``rejected`` maps the locations whose
     checksums failed (see ``agree_resume_point``) to the reason."""
-    options, rejected = cfg.storage_options, rejected or {}
-    store = CheckpointStore(location, options)
-    if store.exists(store.path(MANIFEST)):
-        parent, name = location.rstrip("/").rsplit("/", 1) if "/" in location.rstrip("/") else (".", location)
-        manifest, problem = verify(store, store.root, checksums=False)
-        problem = problem or rejected.get(ResumePoint(parent, name, {}).location)
-        if problem or manifest is None:
-            raise ResumeError(f"--resume {location}: the checkpoint is not valid ({problem})")
-        return ResumePoint(parent, name, manifest)
-    for root in (location, posixpath.join(location, "checkpoints") if "://" not in location
-                 else f"{location.rstrip('/')}/checkpoints"):
-        store = CheckpointStore(root, options)
-        if any(step_of(n) is not None for n in store.list_dir(store.root)):
-            found = find_latest_valid(store, False, report, _names_under(root, rejected))
-            if found:
-                return ResumePoint(root, found[0], found[1])
-            raise ResumeError(f"--resume {location}: no valid checkpoint there (see the messages above)")
-    raise ResumeError(f"--resume {location}: not a checkpoint, a checkpoint folder or a run directory")
-
-
-def _names_under(root: str, rejected: dict[str, str]) -> set[str]:
-    """Checkpoint names directly under ``root`` among the ``rejected`` locations."""
-    names = {location.rstrip("/").rsplit("/", 1)[-1] for location in rejected}
-    return {name for name in names if ResumePoint(root, name, {}).location in rejected}
+    try:
+        return locate(location, cfg.storage_options, report=report, rejected=rejected)
+    except LocationError as exc:
+        raise ResumeError(f"--resume {exc}") from None
 
 
 def choose_resume_point(resume: str, own_root: str, cfg: CheckpointConfig, restarted: bool,
@@ -93,13 +56,9 @@ def choose_resume_point(resume: str, own_root: str, cfg: CheckpointConfig, resta
     the answer is broadcast). ``rejected``: locations whose checksums failed, skipped."""
     if resume == "none" and not restarted:
         return None
-    rejected = rejected or {}
-    own = find_latest_valid(CheckpointStore(own_root, cfg.storage_options), False, report,
-                            _names_under(own_root, rejected))
-    if own:
-        return ResumePoint(own_root, own[0], own[1])
-    if resume in RESUME_MODES:
-        return None
+    own = newest_valid(own_root, cfg.storage_options, report, rejected)
+    if own or resume in RESUME_MODES:
+        return own
     return find_explicit(resume, cfg, report, rejected)
 
 
@@ -121,8 +80,7 @@ def agree_resume_point(resume: str, own_root: str, cfg: CheckpointConfig, restar
             report(message)
 
     while True:
-        point = _rank0_decides(lambda: choose_resume_point(resume, own_root, cfg, restarted, report_once, rejected),
-                               rank, world_size)
+        point = rank0_decides(lambda: choose_resume_point(resume, own_root, cfg, restarted, report_once, rejected))
         if point is None or not cfg.verify_checksums:
             return point
         problem = _first_problem(_check_share(point, cfg, rank, world_size), world_size)
@@ -131,22 +89,6 @@ def agree_resume_point(resume: str, own_root: str, cfg: CheckpointConfig, restar
         if rank == 0:
             report(f"checkpoint {point.location} is not valid: {problem}")
         rejected[point.location] = problem
-
-
-def _rank0_decides(decide: Callable[[], Any], rank: int, world_size: int) -> Any:
-    """Rank 0's answer on every rank; an exception raised by rank 0's ``decide`` is raised
-    on every rank (instead of the others waiting for an answer that never comes)."""
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = decide()
-        except Exception as exc:
-            box[0] = exc
-    if world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
 
 
 def _check_share(point: ResumePoint, cfg: CheckpointConfig, rank: int, world_size: int) -> str | None:
@@ -165,20 +107,6 @@ def _first_problem(problem: str | None, world_size: int) -> str | None:
         problems = [None] * world_size
         dist.all_gather_object(problems, problem)
     return next((p for p in problems if p), None)
-
-
-def load_resume_point(point: ResumePoint, cfg: CheckpointConfig, trainer: Any, rank: int) -> bool:
-    """Load model, optimizer, extra state and trainer state into ``trainer``; returns
-    whether this rank's RNG state was restored (only when a rank of that number saved one)."""
-    store = CheckpointStore(point.root, cfg.storage_options)
-    location = store.path(point.name)
-    saved_keys = set(store.dcp_reader(location).read_metadata().state_dict_metadata)
-    restored_rng = load_tensor_state(
-        lambda state: dcp.load(state, storage_reader=store.dcp_reader(location), planner=SafeLoadPlanner()),
-        trainer.model, trainer.optimizer, rank, saved_keys, trainer.extra_state,
-    )
-    trainer.load_trainer_state(read_trainer_state(store, point.name))
-    return restored_rng
 
 
 def restart_count() -> int:

@@ -148,10 +148,12 @@ class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):
 
 
 def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                 extra: dict[str, Stateful] | None = None) -> dict[str, Any]:
+                 extra: dict[str, Stateful] | None = None, zero1: bool = False) -> dict[str, Any]:
     """The DCP state of this rank: model, optimizer, RNG, and any extra stateful objects
-    (for example gradient-compression state), each under its own key."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    (for example gradient-compression state), each under its own key. ``zero1``: the
+    optimizer is a ``ZeroRedundancyOptimizer`` holding this rank's partition of the state
+    (``Layout.zero1``)."""
+    if zero1:
         model_state, optim_state = get_model_state_dict(model), _zero_optimizer_state(model, optimizer)
     else:
         model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)
@@ -163,17 +165,17 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
 
 def load_tensor_state(
     load: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-    saved_keys: set[str], extra: dict[str, Stateful] | None = None,
+    saved_keys: set[str], extra: dict[str, Stateful] | None = None, zero1: bool = False,
 ) -> bool:
     """Fill ``model`` and ``optimizer`` from a checkpoint through ``load`` (a DCP load
     bound to the checkpoint). Returns True when this rank's RNG state was restored, which
     happens only when the checkpoint was written with a rank of the same number."""
-    state = tensor_state(model, optimizer, rank, extra)
+    state = tensor_state(model, optimizer, rank, extra, zero1)
     own_keys = [k for k in state if k.startswith(("rng.", *(f"{n}." for n in (extra or {}))))]
     for key in own_keys:
         if not any(saved == key or saved.startswith(key + ".") for saved in saved_keys):
             del state[key]
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if zero1:
         # Hyperparameters come from the config and lr from the scheduler; only the state
         # tensors are read, in place.
         state["optim"] = {k: v for k, v in state["optim"].items() if k.startswith("state.")}

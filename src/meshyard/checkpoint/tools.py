@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -10,8 +9,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from meshyard.checkpoint.locate import CheckpointRef, Runs, find_checkpoints, locate
 from meshyard.checkpoint.manager import LATEST, step_of
-from meshyard.checkpoint.manifest import MANIFEST, verify
+from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.state import SafeBytesMixin
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.extras import require
@@ -22,50 +22,24 @@ class _SafeFullStatePlanner(SafeBytesMixin, _EmptyStateDictLoadPlanner):
 
 
 class CheckpointToolError(ValueError):
-    """The path given to a ``meshyard ckpt`` command holds no checkpoint."""
+    """A ``meshyard ckpt`` command cannot do what was asked (bad option, invalid checkpoint)."""
 
 
-@dataclass(frozen=True)
-class CheckpointRef:
-    store: CheckpointStore  # rooted at the folder holding step-* checkpoints
-    name: str
+def resolve(location: str, options: dict[str, Any], runs: Runs | None = None,
+            report: Callable[[str], None] = print) -> CheckpointRef:
+    """The checkpoint ``location`` names (``locate``): one checkpoint as named, even if it
+    is not valid (``inspect`` shows why), or the newest valid one of a run or folder."""
+    return locate(location, options, runs=runs, report=report, require_valid=False)
 
 
-def checkpoint_folder(location: str, options: dict[str, Any]) -> CheckpointStore:
-    """The folder of ``step-*`` checkpoints for a run directory or such a folder."""
-    for candidate in (location.rstrip("/") + "/checkpoints", location):
-        store = CheckpointStore(candidate, options)
-        if any(step_of(n) is not None for n in store.list_dir(store.root)):
-            return store
-    raise CheckpointToolError(f"{location} holds no checkpoints (looked in it and in its 'checkpoints' folder)")
-
-
-def resolve(location: str, options: dict[str, Any]) -> CheckpointRef:
-    """A single checkpoint: the path of one, or the newest of a run / checkpoint folder."""
-    if _is_single(location, options):
-        parent, name = location.rstrip("/").rsplit("/", 1) if "/" in location.rstrip("/") else (".", location)
-        return CheckpointRef(CheckpointStore(parent, options), name)
-    store = checkpoint_folder(location, options)
-    names = sorted(n for n in store.list_dir(store.root) if step_of(n) is not None)
-    return CheckpointRef(store, names[-1])
-
-
-def _is_single(location: str, options: dict[str, Any]) -> bool:
-    single = CheckpointStore(location, options)
-    return single.exists(single.path(MANIFEST)) or step_of(location.rstrip("/").rsplit("/", 1)[-1]) is not None
-
-
-def list_checkpoints(location: str, options: dict[str, Any], checksums: bool = False) -> list[dict[str, Any]]:
+def list_checkpoints(location: str, options: dict[str, Any], checksums: bool = False,
+                     runs: Runs | None = None) -> list[dict[str, Any]]:
     """One row per checkpoint (all of a run or folder, or just the one named), oldest first."""
-    if _is_single(location, options):
-        ref = resolve(location, options)
-        store, names = ref.store, [ref.name]
-    else:
-        store = checkpoint_folder(location, options)
-        names = sorted(n for n in store.list_dir(store.root) if step_of(n) is not None)
+    found = find_checkpoints(location, options, runs)
+    store = CheckpointStore(found.root, options)
     latest = store.read_text(store.path(LATEST)).strip() if store.exists(store.path(LATEST)) else None
     rows = []
-    for name in names:
+    for name in found.names:
         manifest, problem = verify(store, store.path(name), checksums)
         size = sum(f["size"] for f in manifest["files"].values()) if manifest else None
         rows.append({"name": name, "step": step_of(name), "valid": problem is None, "problem": problem,
@@ -78,7 +52,8 @@ def list_checkpoints(location: str, options: dict[str, Any], checksums: bool = F
 def read_full_state(ref: CheckpointRef) -> dict[str, Any]:
     """Every entry of a DCP checkpoint as full (unsharded) tensors in this process."""
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=ref.store.dcp_reader(ref.store.path(ref.name)),
+    store = ref.store()
+    _load_state_dict(state, storage_reader=store.dcp_reader(store.path(ref.name)),
                      planner=_SafeFullStatePlanner(), no_dist=True)
     return state
 
@@ -93,9 +68,10 @@ def export(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print)
     suffixes; tensors only, so ``torch.load(path, weights_only=True)`` reads it)."""
     if out.suffix == ".safetensors":  # before reading anything: the package is an optional extra
         save_file = require("safetensors.torch", "exporting to .safetensors").save_file
-    manifest, problem = verify(ref.store, ref.store.path(ref.name))
+    store = ref.store()
+    manifest, problem = verify(store, store.path(ref.name))
     if problem:
-        raise CheckpointToolError(f"{ref.store.url_of(ref.name)} is not valid: {problem}")
+        raise CheckpointToolError(f"{store.url_of(ref.name)} is not valid: {problem}")
     tensors = {k: v.contiguous() for k, v in model_state(ref).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":

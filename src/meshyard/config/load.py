@@ -21,7 +21,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from meshyard.config.sections import SECTIONS, Config
-from meshyard.runtime.devices import default_nproc, visible_gpu_count
 
 
 class ConfigError(ValueError):
@@ -205,21 +204,16 @@ def collect_config(path: str | Path | None = None, overrides: Iterable[str] = ()
             continue
         nested.setdefault(section, {})[name] = value
     merge(config, nested, "command line", problems)
-    resolve_nproc(config)
     return config, problems
-
-
-def resolve_nproc(config: Config) -> None:
-    """Replace ``run.nproc = 0`` by this machine's default (one process per visible GPU when
-    the run uses CUDA, else 2), so every reader sees the number of processes that will run."""
-    if config.run.nproc == 0:
-        config.run.nproc = default_nproc(config.run.device, visible_gpu_count())
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
     """Resolve defaults < TOML file < overrides into a ``Config`` checked field by field.
 
-    Cross-field checks that need the world size live in ``meshyard.config.validate``.
+    The result depends on nothing but its inputs: ``run.nproc = 0`` stays 0 ("this
+    machine's default"), which the launching process resolves
+    (``meshyard.validate.with_local_nproc``). Checks of ranges and combinations are in
+    ``meshyard.config.checks``, those that need the world size in ``meshyard.validate``.
     """
     config, problems = collect_config(path, overrides)
     if problems:

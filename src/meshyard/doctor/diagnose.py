@@ -21,8 +21,8 @@ from typing import Any
 from meshyard.config.load import load_config
 from meshyard.config.sections import Config
 from meshyard.metrics.records import read_metrics
+from meshyard.metrics.schema import PHASES, phase_key
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer")
 DATA_BOUND_SHARE = 0.20
 COMM_BOUND_SHARE = 0.25
 MEMORY_BOUND_FRACTION = 0.90
@@ -86,7 +86,7 @@ def gather_evidence(facts: dict[str, Any], records: list[dict[str, Any]]) -> Run
     if not timed:
         raise DoctorError("the run was recorded without a step-time breakdown (metrics.breakdown = false); "
                           "run it again with the default metrics settings")
-    shares = {p: statistics.mean(r[f"{p}_s"] / r["step_time_s"] for r in timed) for p in PHASES}
+    shares = {p: statistics.mean(r[phase_key(p)] / r["step_time_s"] for r in timed) for p in PHASES}
     mfus = [r["mfu"] for r in timed if "mfu" in r]
     evidence = RunEvidence(steps=len(records), shares=shares,
                            step_time_s=statistics.median(r["step_time_s"] for r in timed),

@@ -15,7 +15,8 @@ matplotlib = require("matplotlib", "meshyard report")
 matplotlib.use("Agg")  # no display needed; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
-from meshyard.doctor.diagnose import PHASES, Diagnosis, diagnose, load_run  # noqa: E402
+from meshyard.doctor.diagnose import Diagnosis, diagnose, load_run  # noqa: E402
+from meshyard.metrics.schema import OTHER, PHASES, phase_key  # noqa: E402
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#1d2330}
@@ -56,8 +57,8 @@ def plot_breakdown(records: list[dict[str, Any]]) -> str:
     fig, ax = _figure("Step time breakdown", "ms")
     timed = [r for r in records if "forward_s" in r]
     steps = [r["step"] for r in timed]
-    parts = [[1000 * r[f"{p}_s"] for r in timed] for p in (*PHASES, "other")]
-    ax.stackplot(steps, parts, labels=[*PHASES, "other"], alpha=0.85)
+    parts = [[1000 * r[phase_key(p)] for r in timed] for p in (*PHASES, OTHER)]
+    ax.stackplot(steps, parts, labels=[*PHASES, OTHER], alpha=0.85)
     ax.legend(loc="upper right", fontsize=8)
     return _png(fig)
 

@@ -27,11 +27,17 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from meshyard.metrics.schema import PHASES
+
 EXIT_HUNG = 124  # the exit status of timeout(1): the job was stopped for taking too long
 
-# Where a rank can be within a step, in order. A rank that is behind in this order (or
-# in steps) has not reached the collective that ranks further on are blocked in.
-PHASES = ("starting", "data", "forward", "backward", "optimizer", "sync", "eval", "checkpoint", "finished")
+# Where a rank can be, in order. A rank that is behind in this order (or in steps) has
+# not reached the collective that ranks further on are blocked in. Within a step these
+# are the timed phases except "comm": exposed communication is time spread over the step,
+# not one place; the collective a rank blocks in is the step's loss-and-flags all-reduce,
+# waited for after the optimizer step ("sync").
+WATCHED_POSITIONS = ("starting", *(phase for phase in PHASES if phase != "comm"), "sync", "eval", "checkpoint",
+                     "finished")
 COLLECTIVE_OF_PHASE = {
     "forward": "forward collectives (FSDP all-gathers, tensor-parallel all-reduces)",
     "backward": "gradient all-reduce / reduce-scatter",
@@ -48,7 +54,7 @@ def _key(rank: int) -> str:
 
 def laggards(positions: dict[int, dict[str, Any]]) -> list[int]:
     """Ranks at the earliest (step, phase) when ranks disagree; empty when all agree."""
-    order = {rank: (p["step"], PHASES.index(p["phase"])) for rank, p in positions.items()}
+    order = {rank: (p["step"], WATCHED_POSITIONS.index(p["phase"])) for rank, p in positions.items()}
     if len(set(order.values())) <= 1:
         return []
     earliest = min(order.values())

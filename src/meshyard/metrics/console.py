@@ -9,6 +9,11 @@ from rich.console import Console as RichConsole
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from meshyard.metrics.schema import PHASES, phase_key
+
+# How the breakdown names the phases on one line.
+_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+
 
 class ProgressDisplay:
     """Shows step, loss, tokens/s and ETA. Off a terminal (CI, pipes, log files) a bar
@@ -69,9 +74,7 @@ def breakdown(record: dict[str, Any]) -> str:
     if "forward_s" not in record:
         return ""
     total = record["step_time_s"]
-    parts = (("data", "data_s"), ("fwd", "forward_s"), ("bwd", "backward_s"), ("comm", "comm_s"),
-             ("opt", "optimizer_s"))
-    text = " ".join(f"{label} {100 * record[key] / total:.0f}%" for label, key in parts)
+    text = " ".join(f"{_SHORT.get(phase, phase)} {100 * record[phase_key(phase)] / total:.0f}%" for phase in PHASES)
     return text + (f" mfu {100 * record['mfu']:.0f}%" if "mfu" in record else "")
 
 

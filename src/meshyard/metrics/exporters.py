@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from meshyard.extras import require
+from meshyard.metrics.schema import EXPORTED_KEYS
 
-SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "samples_per_s",
-           "mfu", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s", "rss_bytes",
-           "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "comm_bytes", "compression_ratio")
+# The step figures each exporter sends as scalars: the schema's exported fields.
+SCALARS = EXPORTED_KEYS
 
 
 class PrometheusExporter:

@@ -13,7 +13,8 @@ import torch
 
 from meshyard.metrics.memory import MemoryProbe
 from meshyard.metrics.ranks import RankWindow
-from meshyard.metrics.timing import PHASES, NullStepTimer, StepTimer
+from meshyard.metrics.schema import OTHER_KEY, PHASE_KEYS
+from meshyard.metrics.timing import NullStepTimer, StepTimer
 
 
 class StepMeter:
@@ -35,7 +36,7 @@ class StepMeter:
         figures: dict[str, Any] = self.timer.finish_step()
         if figures:
             # Whatever the phases do not cover (logging, checkpoint bookkeeping, Python).
-            figures["other_s"] = max(0.0, step_time - sum(figures[f"{phase}_s"] for phase in PHASES))
+            figures[OTHER_KEY] = max(0.0, step_time - sum(figures[key] for key in PHASE_KEYS))
             figures["busy_s"] = step_time - figures["comm_s"]
         figures.update(self.memory.read())
         if self.flops_per_token and self.peak_flops:

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-RANK_FIELDS = ("step_time_s", "busy_s", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s",
-               "memory_bytes", "pp_idle_fraction")
+from meshyard.metrics.schema import RANK_FIELDS
 
 
 def find_stragglers(busy: list[float], factor: float) -> list[int]:

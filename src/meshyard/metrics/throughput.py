@@ -2,7 +2,8 @@
 
 MFU = achieved model FLOP/s / peak FLOP/s, with model FLOPs counted by the PaLM
 convention (training = 3 x forward, recomputation not counted) so figures compare across
-activation-checkpointing settings. GPUs are looked up in the planner's catalog by name;
+activation-checkpointing settings (``meshyard.models.flops``, the planner's formulas too).
+GPUs are looked up in the hardware catalog (``meshyard.hardware``) by name;
 on a CPU the peak is measured: the fastest fp32 matmuls of this rank's threads.
 """
 
@@ -15,9 +16,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from meshyard.hardware import gpu_for_device_name
+from meshyard.models.flops import gpt_training_flops_per_token
 from meshyard.models.gpt import GPT
-from meshyard.plan.hardware import GPUS
-from meshyard.plan.model import describe_gpt
 
 _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -25,7 +26,7 @@ _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Closed form for meshyard's GPT; 6 x parameters (Kaplan et al.) for other models."""
     if isinstance(model, GPT):
-        return describe_gpt(model.shape).training_flops_per_token(seq_len)
+        return gpt_training_flops_per_token(model.shape, seq_len)
     return 6.0 * sum(p.numel() for p in model.parameters())
 
 
@@ -90,12 +91,8 @@ def gpu_peak(device: torch.device, dtype: torch.dtype) -> float | None:
 def catalog_peak(device_name: str, dtype: torch.dtype) -> float | None:
     """Peak for a device name such as 'NVIDIA H100 PCIe': the most specific catalog entry
     all of whose name parts appear in it (h100-pcie before h100)."""
-    name = device_name.lower()
-    matches = [spec for spec in GPUS.values() if all(part in name for part in spec.name.split("-"))]
-    if not matches:
-        return None
-    best = max(matches, key=lambda spec: len(spec.name))
-    return best.peak_flops.get(_DTYPE_KEYS.get(dtype, "fp32"))
+    spec = gpu_for_device_name(device_name)
+    return spec.peak_flops.get(_DTYPE_KEYS.get(dtype, "fp32")) if spec else None
 
 
 def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:

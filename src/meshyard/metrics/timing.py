@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer")
+from meshyard.metrics.schema import PHASES, phase_key
 
 
 class CommTracker:
@@ -159,7 +159,7 @@ class StepTimer:
             exposed = max(0.0, _seconds_between(launch, end))
             self._totals["backward"] -= exposed
             self._totals["comm"] += exposed
-        figures = {f"{phase}_s": value for phase, value in self._totals.items()}
+        figures = {phase_key(phase): value for phase, value in self._totals.items()}
         if self.fsdp.attached:
             figures["allgather_wait_s"] = self._allgather_wait
         return figures

@@ -25,12 +25,6 @@ from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.pipeline import PipelinedModel
 
 
-def meta_init_applies(strategy: str, pp: int) -> bool:
-    """Layouts in which no rank keeps the whole model: FSDP, or a pipeline (whose stages
-    are replicated with FSDP when data parallel)."""
-    return strategy == "fsdp" or pp > 1
-
-
 def build_model_deferred(build: Callable[[], nn.Module], device: torch.device, deferred: bool,
                          log: Callable[[str], None],
                          warn: Callable[[str], None]) -> tuple[nn.Module, InitRecord | None]:

@@ -8,7 +8,7 @@ import sys
 
 from rich.console import Console
 
-from meshyard.plan.hardware import GPUS, INTER_NODE_LINKS, CatalogError
+from meshyard.hardware import GPUS, INTER_NODE_LINKS, CatalogError
 from meshyard.plan.inputs import PlanInputError, PlanInputs, resolve_inputs
 from meshyard.plan.layout import PRECISIONS, STRATEGIES
 from meshyard.plan.report import (

@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshyard.hardware import link_spec
 from meshyard.plan.comm import MeshPlacement, collective_time, p2p_time, place_mesh
-from meshyard.plan.hardware import Cluster, link_spec
+from meshyard.plan.hardware import Cluster
 from meshyard.plan.layout import Layout
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.stage import stage_shapes

@@ -9,15 +9,12 @@ allocate are all counted; memory that gloo or the C++ runtime allocate outside c
 (and Python objects) is not, which matches what the estimator models on a GPU, where
 NCCL's buffers are also outside the caching allocator.
 
-The steps are meshyard's: the model from ``meshyard.models.gpt``, wrapped by
-``meshyard.parallel.data_parallel`` (``apply_ddp``: DDP with gradients as bucket views;
-``apply_fsdp``: FSDP2 ``fully_shard`` per block then the root), AdamW (or ZeRO-1's
-sharded AdamW) from ``meshyard.train.optim.build_optimizer``, the trainer's fp32
-next-token loss, and ``zero_grad(set_to_none=True)``. Tensor parallelism uses torch's
-``parallelize_module`` with a Megatron-style plan and checkpointing torch's
-``checkpoint_wrapper`` per block, applied in meshyard's order (TP, checkpointing, then
-data parallelism). Ranks are ``torch.multiprocessing`` processes on gloo, one thread
-each.
+The steps are meshyard's: the model from ``meshyard.models.gpt``, wrapped by the
+same ``meshyard.parallel.parallelize`` a run uses (TP, activation checkpointing, then
+DDP with gradients as bucket views or FSDP2 per block then the root), AdamW (or
+ZeRO-1's sharded AdamW) from ``meshyard.train.optim.build_optimizer``, the trainer's
+fp32 next-token loss, and ``zero_grad(set_to_none=True)``. Ranks are
+``torch.multiprocessing`` processes on gloo, one thread each.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
 from meshyard.plan.layout import PRECISIONS, Layout, make_layout
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from meshyard.config.sections import ParallelConfig
 
 _STRATEGY_TO_LAYOUT = {
     "none": "none", "ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp3", "fsdp-zero2": "fsdp2", "tp": "none",
@@ -68,11 +65,11 @@ class MemoryProbe:
     def layout(self) -> Layout:
         """The layout the estimator should be given for this probe (fp32, CPU AdamW)."""
         tp = self.world_size if self.strategy == "tp" else 1
-        # The TP probe keeps embeddings and head replicated and has no sequence parallelism.
+        # meshyard's TP splits embedding and head by vocabulary; the probe splits no sequence.
         return make_layout(_STRATEGY_TO_LAYOUT[self.strategy], self.world_size, tp=tp,
                            micro_batch=self.micro_batch, seq_len=self.seq_len, precision=PRECISIONS["fp32"],
                            ac="full" if self.checkpoint else "none", sequence_parallel=False,
-                           vocab_parallel=False)
+                           vocab_parallel=True)
 
     def label(self) -> str:
         return f"{self.preset} {self.strategy}{' +ac' if self.checkpoint else ''} x{self.world_size}"
@@ -112,43 +109,32 @@ def _allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]
     return sorted(events)
 
 
-def _apply_tp(model: GPT, mesh: "DeviceMesh") -> GPT:
-    """Megatron-style plan: qkv and fc column-wise, both projections row-wise.
+def _parallel_config(probe: MemoryProbe) -> "ParallelConfig":
+    """The probe's strategy as meshyard's own parallel config (fp32, full checkpointing
+    when asked). Tensor parallelism gathers the logits (no loss parallel) for the
+    probe's plain loss, and splits no sequence, as the estimator is told."""
+    from meshyard.config.sections import ParallelConfig
 
-    A memory probe only: sharding the fused qkv weight by rows mixes q, k and v heads
-    across ranks, which changes the numbers computed but not the tensors' sizes.
-    """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {}
-    for i in range(len(model.blocks)):
-        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
-                     f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()})
-    return parallelize_module(model, mesh, plan)
+    strategy = {"fsdp-zero2": "fsdp", "tp": "none"}.get(probe.strategy, probe.strategy)
+    return ParallelConfig(strategy=strategy, tp=probe.world_size if probe.strategy == "tp" else 1,
+                          reshard_after_forward=probe.strategy != "fsdp-zero2", sequence_parallel=False,
+                          loss_parallel=False, ac="full" if probe.checkpoint else "none")
 
 
-def _parallelize(model: GPT, probe: MemoryProbe) -> torch.nn.Module:
-    """Wrap ``model`` the way meshyard does, in its order: TP, checkpointing, then DDP/FSDP."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
+def _parallelize(model: GPT, probe: MemoryProbe) -> tuple[torch.nn.Module, bool]:
+    """Wrap ``model`` with meshyard's ``parallelize`` for the probe's layout; returns the
+    module to train and whether its optimizer partitions the state (ZeRO-1)."""
+    from meshyard.parallel.layout import Layout
+    from meshyard.parallel.parallelize import parallelize
 
-    from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
-
-    mesh = init_device_mesh("cpu", (probe.world_size,)) if probe.world_size > 1 else None
-    if probe.strategy == "tp":
-        model = _apply_tp(model, mesh)
-    if probe.checkpoint:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(block)
-    if mesh is None or probe.strategy in ("none", "tp"):
-        return model
-    if probe.strategy in ("ddp", "zero1"):
-        return apply_ddp(model, mesh)
-    return apply_fsdp(model, mesh, reshard_after_forward=probe.strategy == "fsdp")
+    layout = Layout.resolve(_parallel_config(probe), probe.world_size)
+    mesh, _ = layout.dims.build_mesh("cpu")
+    return parallelize(model, layout, mesh).model, layout.zero1
 
 
 def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
     from meshyard.config.sections import OptimConfig
+    from meshyard.parallel.data_parallel import unwrap
     from meshyard.train.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -157,9 +143,8 @@ def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
                for _ in range(probe.steps)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         marker = torch.empty(1)  # first event: the allocator's total before the model exists
-        model = _parallelize(GPT(probe.shape()), probe)
-        shard_group = dist.group.WORLD if probe.strategy == "zero1" else None
-        optimizer = build_optimizer(model, OptimConfig(), 1e-3, shard_group=shard_group)
+        model, zero1 = _parallelize(GPT(probe.shape()), probe)
+        optimizer = build_optimizer(unwrap(model), OptimConfig(), 1e-3, shard_group=dist.group.WORLD if zero1 else None)
         for tokens in batches:
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
             logits = model(inputs)
@@ -180,8 +165,8 @@ def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
 def _worker(rank: int, probes: list[MemoryProbe], port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     world_size = probes[0].world_size
-    if world_size > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # One process too: meshyard's parallelize builds its layout on a DeviceMesh.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         results = []
         for probe in probes:

@@ -7,11 +7,8 @@ reads only this object, never the module.
 
 Conventions:
 
-- Parameter counts are exact and count a tied weight once.
-- FLOPs follow PaLM (Chowdhery et al. 2022, appendix B): per token, a forward pass costs
-  ``2 x (weights used in matmuls) + 4 x n_layer x seq x d_model`` (the attention score
-  and value products, counted in full although a causal mask could skip half). Backward
-  costs twice the forward. The output head counts as a matmul even when tied.
+- Parameter counts and FLOPs are those of ``meshyard.models.flops`` (exact counts, a
+  tied weight once; FLOPs by the PaLM convention), the formulas training's MFU uses too.
 - Activations are the bytes autograd saves for backward, per token, in "units" of
   ``d_model`` elements so that the dtype and tensor-parallel degree can be applied
   later. The split into ``replicated`` and ``sharded`` units is what tensor parallelism
@@ -22,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshyard.models.flops import TRAINING_PER_FORWARD, gpt_counts, head_forward_flops, layer_forward_flops
 from meshyard.models.gpt import GPTShape
 
 
@@ -96,24 +94,24 @@ class ModelDescription:
         return self.n_layer * self.layer_params
 
     def forward_flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs of one forward pass per token (PaLM convention, see module docstring)."""
+        """Model FLOPs of one forward pass per token (PaLM convention, ``meshyard.models.flops``)."""
         return self.n_layer * self.layer_forward_flops_per_token(seq_len) + self.head_forward_flops_per_token()
 
     def training_flops_per_token(self, seq_len: int) -> float:
         """Forward plus backward (twice the forward): the 6N + 12 L d T of PaLM."""
-        return 3.0 * self.forward_flops_per_token(seq_len)
+        return TRAINING_PER_FORWARD * self.forward_flops_per_token(seq_len)
 
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs of one block per token: its matmuls plus attention's two products."""
         if self.traced_seq_len:
             return self.traced_layer_flops
-        return 2.0 * self.matmul_params_per_layer + 4.0 * seq_len * self.d_model
+        return layer_forward_flops(self.matmul_params_per_layer, self.d_model, seq_len)
 
     def head_forward_flops_per_token(self) -> float:
         """Forward FLOPs per token outside the blocks: the output projection."""
         if self.traced_seq_len:
             return self.traced_head_flops
-        return 2.0 * self.head_matmul_params
+        return head_forward_flops(self.head_matmul_params)
 
 
 def gpt_activation_profile(shape: GPTShape) -> ActivationProfile:
@@ -147,33 +145,23 @@ def describe_gpt(shape: GPTShape, name: str = "gpt") -> ModelDescription:
 
     ``n_params`` equals ``sum(p.numel() for p in GPT(shape).parameters())`` exactly.
     """
-    d, v, ctx = shape.d_model, shape.vocab_size, shape.context_length
-    hidden = shape.mlp_ratio * d
-    bias = 1 if shape.bias else 0
-    norm = d * (1 + bias)  # LayerNorm weight (+ bias)
-    attn_matmul = d * 3 * d + d * d
-    mlp_matmul = d * hidden + hidden * d
-    attn_bias = bias * (3 * d + d)
-    mlp_bias = bias * (hidden + d)
-    layer = 2 * norm + attn_matmul + attn_bias + mlp_matmul + mlp_bias
-    embedding = v * d + ctx * d
-    head = norm + (0 if shape.tie_embeddings else v * d)
+    counts = gpt_counts(shape)
     return ModelDescription(
         name=name,
-        n_params=shape.n_layer * layer + embedding + head,
+        n_params=counts.n_params,
         n_layer=shape.n_layer,
-        d_model=d,
+        d_model=shape.d_model,
         n_head=shape.n_head,
-        vocab_size=v,
-        context_length=ctx,
-        layer_params=layer,
-        embedding_params=embedding,
-        head_params=head,
-        matmul_params_per_layer=attn_matmul + mlp_matmul,
-        head_matmul_params=v * d,
+        vocab_size=shape.vocab_size,
+        context_length=shape.context_length,
+        layer_params=counts.layer_params,
+        embedding_params=counts.embedding_params,
+        head_params=counts.head_params,
+        matmul_params_per_layer=counts.matmul_params_per_layer,
+        head_matmul_params=counts.head_matmul_params,
         activations=gpt_activation_profile(shape),
         head_saved_units=2.0,  # ln_f input, ln_f output (saved by lm_head)
-        largest_param=max(v * d, ctx * d, 3 * d * d, d * hidden),
+        largest_param=counts.largest_param,
         tied_embeddings=shape.tie_embeddings,
-        mlp_hidden=hidden,
+        mlp_hidden=counts.mlp_hidden,
     )

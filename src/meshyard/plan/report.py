@@ -5,8 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from meshyard.hardware import GPUS, LINKS
 from meshyard.plan.cost import StepEstimate
-from meshyard.plan.hardware import GPUS, LINKS, Cluster
+from meshyard.plan.hardware import Cluster
 from meshyard.plan.layout import Layout
 from meshyard.plan.memory import MemoryEstimate
 from meshyard.plan.model import ModelDescription

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -120,3 +121,19 @@ def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rank0_decides(decide: Callable[[], Any]) -> Any:
+    """Rank 0's answer to ``decide()``, on every rank (a broadcast). If rank 0's decision
+    raised, every rank raises it, instead of the others waiting forever for an answer."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except Exception as exc:  # handed to every rank below
+            box[0] = exc
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]

@@ -30,12 +30,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
 
-from meshyard.config.sections import ParallelConfig
-from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads, tied_weight_group
+from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads
 from meshyard.train.precision import Precision
 from meshyard.train.step import Batch, next_token_loss
 
@@ -229,14 +227,3 @@ class PipelineStep:
         """This rank's pipeline figures of the last step (measured idle share vs theory)."""
         stats, self._stats = self._stats, {}
         return stats
-
-
-def build_step_runner(model: torch.nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precision: Precision,
-                      device: torch.device) -> PipelineStep | None:
-    """The step runner a parallelized model needs: a ``PipelineStep`` for a pipelined
-    model, None (the Trainer's default micro-batch runner) otherwise."""
-    if not isinstance(model, PipelinedModel):
-        return None
-    tied_group = tied_weight_group(mesh) if model.tied else None
-    return PipelineStep(model, mesh["pp"].get_group(), cfg.pp_schedule, cfg.microbatches or cfg.pp,
-                        precision, device, tied_group)

@@ -12,6 +12,7 @@ import contextlib
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -35,8 +36,19 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 
 class StepRunner(Protocol):
+    """What the Trainer asks of a step runner; every runner answers all of it."""
+
+    model: nn.Module
+    """The module it runs (the Trainer switches it between train and eval mode)."""
+    device: torch.device
     holds_loss: bool
     """Whether this rank computes the loss (under pipelining only the last stage does)."""
+    grad_norm_group: dist.ProcessGroup | None
+    """The group whose ranks hold other parts of the model's gradients beyond sharding
+    (pipeline stages): their squared norms are summed before clipping. None otherwise."""
+    grad_norm_skip: list[nn.Parameter]
+    """Parameters whose gradient another rank already counts in the norm (a tied weight's
+    second copy on another pipeline stage)."""
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulate gradients of the mean loss over ``micro_batches``; return that loss."""
@@ -50,11 +62,18 @@ class StepRunner(Protocol):
         """Figures of the step just run for its record (pipelines: stage idle time)."""
         ...
 
+    def phase_split(self) -> dict[str, float]:
+        """The last step's seconds per breakdown phase, for runners whose forward and
+        backward cannot be timed apart (a schedule interleaves them); {} when the runner
+        timed its phases itself."""
+        ...
+
 
 class MicroBatchStep:
     """Runs the micro-batches one after another through the whole (possibly sharded) model."""
 
     holds_loss = True
+    grad_norm_group = None
 
     def __init__(self, model: nn.Module, precision: Precision, device: torch.device,
                  timer: StepTimer | NullStepTimer | None = None, loss_parallel: bool = False) -> None:
@@ -65,6 +84,7 @@ class MicroBatchStep:
         # Under tensor parallelism the head may return vocabulary-split logits; the loss
         # (and its backward) then run under loss_parallel(), which reduces across ranks.
         self.loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
+        self.grad_norm_skip: list[nn.Parameter] = []
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         accum = len(micro_batches)
@@ -86,3 +106,6 @@ class MicroBatchStep:
 
     def take_step_stats(self) -> dict[str, float]:
         return {}
+
+    def phase_split(self) -> dict[str, float]:
+        return {}  # forward and backward were timed as they ran

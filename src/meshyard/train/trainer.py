@@ -17,17 +17,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
-from meshyard.checkpoint.state import tensor_state
+from meshyard.checkpoint.checkpointer import Checkpointer
 from meshyard.config.sections import TrainConfig
-from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
-from meshyard.comm.hooks import NoCompression
-from meshyard.metrics.meter import StepMeter, null_meter
-from meshyard.metrics.records import Sinks
 from meshyard.data.loader import DataBundle
-from meshyard.train.batching import BatchPlan
+from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
+from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
+from meshyard.metrics.meter import StepMeter
+from meshyard.metrics.records import Sinks
+from meshyard.parallel.parallelize import Parallelized
+from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.train.precision import Precision
-from meshyard.train.step import Batch, MicroBatchStep, StepRunner
+from meshyard.train.state import TrainProgress
+from meshyard.train.step import Batch, StepRunner
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
@@ -74,108 +75,82 @@ class _PendingAgreement(NamedTuple):
     work: dist.Work | None
 
 
-@dataclass
-class TrainProgress:
-    """Counters a resume needs besides model and optimizer state."""
+@dataclass(frozen=True)
+class Optimization:
+    """How gradients become parameter updates: the optimizer, its LR schedule, and the
+    numerics of the step (autocast and loss scaler)."""
 
-    step: int = 0
-    tokens_seen: int = 0
-    best_eval_loss: float | None = None
-    losses: list[float] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_eval_loss": self.best_eval_loss}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.best_eval_loss = state.get("best_eval_loss")
+@dataclass(frozen=True)
+class Feed:
+    """The data side of a step: the loaders, the batch arithmetic, the tokens per sample
+    and this rank's data-parallel index (its evaluation shard)."""
+
+    data: DataBundle
+    batch: BatchPlan
+    seq_len: int
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class Services:
+    """Everything around the step: where records go, how they are measured, checkpoints,
+    the preemption signal and the hang watchdog."""
+
+    sinks: Sinks
+    meter: StepMeter
+    checkpointer: Checkpointer
+    preemption: PreemptionWatcher | NullWatcher = field(default_factory=NullWatcher)
+    watchdog: HangWatchdog | NullWatchdog = field(default_factory=NullWatchdog)
 
 
 class Trainer:
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        precision: Precision,
-        data: DataBundle,
-        batch: BatchPlan,
-        cfg: TrainConfig,
-        device: torch.device,
-        dp_rank: int,
-        seq_len: int,
-        sinks: Sinks,
-        checkpoints: CheckpointManager | NullCheckpointManager,
-        preemption: PreemptionWatcher | NullWatcher,
-        runner: StepRunner | None = None,
-        extra_state: dict[str, Any] | None = None,
-        meter: StepMeter | None = None,
-        compression: Any = None,
-        on_nonfinite: str = "warn",
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.precision = precision
-        self.data = data
-        self.batch = batch
+    """Runs optimizer steps until ``cfg.steps``, recording each and checkpointing when due.
+
+    Build one with ``meshyard.train.build.build_trainer`` (what every rank of a run does),
+    or from parts: a parallelized model, its step runner and the bundles above.
+    ``progress`` is shared with the checkpointer, which saves and restores it.
+    """
+
+    def __init__(self, parallelized: Parallelized, runner: StepRunner, optimization: Optimization, feed: Feed,
+                 cfg: TrainConfig, services: Services, progress: TrainProgress, on_nonfinite: str = "warn",
+                 facts: dict[str, Any] | None = None) -> None:
+        self.model = parallelized.model
+        self.compression = parallelized.compression
+        self.layout = parallelized.layout
+        self.runner = runner
+        self.optimizer, self.scheduler, self.precision = optimization.optimizer, optimization.scheduler, \
+            optimization.precision
+        self.data, self.batch, self.dp_rank = feed.data, feed.batch, feed.dp_rank
+        self.tokens_per_step = feed.batch.global_batch * feed.seq_len
         self.cfg = cfg
-        self.device = device
-        self.dp_rank = dp_rank
-        self.tokens_per_step = batch.global_batch * seq_len
-        self.sinks = sinks
-        self.checkpoints = checkpoints
-        self.preemption = preemption
-        self.meter = meter or null_meter(device)
+        self.device = runner.device
+        self.sinks, self.meter = services.sinks, services.meter
+        self.checkpoints, self.preemption, self.watchdog = services.checkpointer, services.preemption, \
+            services.watchdog
         self.timer = self.meter.timer
-        self.runner = runner or MicroBatchStep(model, precision, device, self.timer)
-        self.compression = compression or NoCompression(None)
         self.on_nonfinite = on_nonfinite
-        self.extra_state = extra_state or {}
-        self.progress = TrainProgress()
-        self.parameters = [p for p in model.parameters() if p.requires_grad]
-        self._saved_step = -1
+        self.progress = progress
+        self.facts: dict[str, Any] = facts if facts is not None else {}
+        """What this run is (layout, batch, data, model), as recorded in run.json."""
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._last_eval_loss: float | None = None
         self._checkpoint_stall: float | None = None
         self._outcomes_seen = 0
 
-    # state ----------------------------------------------------------------------
-    def trainer_state(self) -> dict[str, Any]:
-        """Everything besides tensors that an exact resume needs (identical on all ranks)."""
-        return {
-            "progress": self.progress.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.precision.scaler.state_dict(),
-            "data": {"step": self.progress.step, "global_batch": self.batch.global_batch,
-                     "samples_consumed": self.progress.step * self.batch.global_batch},
-        }
-
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        saved_batch = state["data"]["global_batch"]
-        if saved_batch != self.batch.global_batch:
-            raise ValueError(
-                f"the checkpoint was trained with train.global_batch = {saved_batch}, this run uses "
-                f"{self.batch.global_batch}; keep the global batch when resuming (the world size and "
-                "micro-batch may change)"
-            )
-        self.progress.load_state_dict(state["progress"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr  # optimizers whose state was loaded without hyperparameters (ZeRO-1)
-        if state.get("scaler"):
-            self.precision.scaler.load_state_dict(state["scaler"])
-        # The sample stream is indexed by global step, so this position is valid for any
-        # world size: no sample is skipped or repeated.
-        self.data.seek(state["data"]["step"])
-        self._saved_step = self.progress.step
-
     def save_checkpoint(self, blocking: bool = False, eval_loss: float | None = None) -> None:
-        rank = dist.get_rank()
-        tensors = tensor_state(self.model, self.optimizer, rank, self.extra_state)
         facts = {"eval_loss": eval_loss, "tokens_seen": self.progress.tokens_seen,
                  "samples_consumed": self.progress.step * self.batch.global_batch}
-        self.checkpoints.save(self.progress.step, tensors, self.trainer_state(), facts, blocking=blocking)
-        self._saved_step = self.progress.step
+        self.checkpoints.save(self.progress.step, facts, blocking=blocking)
+
+    def close(self) -> None:
+        """Stop the watchdog and close the sinks (after ``fit``, also when it raised)."""
+        self.watchdog.stop()
+        self.sinks.close()
 
     # steps ----------------------------------------------------------------------
     def _start_agreement(self, loss: torch.Tensor) -> "_PendingAgreement":
@@ -232,7 +207,7 @@ class Trainer:
             pending = self._start_agreement(loss)
         # Runners that cannot time forward and backward apart (a pipeline schedule
         # interleaves them) report their step's split instead.
-        for phase, seconds in getattr(self.runner, "phase_split", dict)().items():
+        for phase, seconds in self.runner.phase_split().items():
             self.timer.add(phase, seconds)
         with self.timer.phase("optimizer"):
             grad_norm = self._optimizer_step()
@@ -241,8 +216,8 @@ class Trainer:
     def _optimizer_step(self) -> torch.Tensor:
         self.precision.scaler.unscale_(self.optimizer)
         # A pipeline runner names the group its stages span and any parameter counted twice.
-        grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip, getattr(self.runner, "grad_norm_group", None),
-                                   getattr(self.runner, "grad_norm_skip", None))
+        grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip, self.runner.grad_norm_group,
+                                   self.runner.grad_norm_skip)
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -281,7 +256,7 @@ class Trainer:
                     stall_start = time.perf_counter()
                     self.save_checkpoint(eval_loss=record.get("eval_loss"))
                     self._checkpoint_stall = time.perf_counter() - stall_start
-            if self.checkpoints.save_final and self._saved_step != self.progress.step:
+            if self.checkpoints.save_final and self.checkpoints.saved_step != self.progress.step:
                 self.timer.mark("checkpoint")
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
             self.checkpoints.wait()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshyard.config.validate import load_and_validate
+from meshyard.validate import load_and_validate
 from meshyard.verify.compare import verify_layout
 
 EXIT_PASS, EXIT_FAIL = 0, 1

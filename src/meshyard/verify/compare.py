@@ -19,8 +19,8 @@ import torch
 
 from meshyard.checkpoint.tools import model_state, resolve
 from meshyard.config.sections import Config, ParallelConfig
-from meshyard.config.validate import validate
 from meshyard.train.precision import resolve_dtype
+from meshyard.validate import validate
 
 
 @dataclass(frozen=True)

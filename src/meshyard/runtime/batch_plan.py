@@ -2,6 +2,9 @@
 
 global_batch = micro_batch x grad_accum x data-parallel size. The user gives the global
 batch and one of the other two (or neither: then accumulation is 1).
+
+It lives beside ``ParallelDims``: both are derived from the config and the world size,
+by the launching process when it validates a run and by each worker for its own job.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ from dataclasses import dataclass
 
 
 class BatchPlanError(ValueError):
-    pass
+    """The batch settings do not divide over the data-parallel ranks; the message says how."""
 
 
 @dataclass(frozen=True)
 class BatchPlan:
+    """Samples per optimizer step (``global_batch``), per forward/backward on one rank
+    (``micro_batch``), and how many micro-batches each rank accumulates."""
+
     global_batch: int
     micro_batch: int
     grad_accum: int
@@ -27,6 +33,8 @@ class BatchPlan:
 
     @classmethod
     def derive(cls, global_batch: int, dp_size: int, micro_batch: int = 0, grad_accum: int = 0) -> "BatchPlan":
+        """The plan for ``dp_size`` data-parallel ranks; 0 leaves a setting to be derived.
+        Raises ``BatchPlanError`` when the numbers do not divide."""
         if global_batch < 1:
             raise BatchPlanError(f"train.global_batch = {global_batch} must be at least 1")
         if global_batch % dp_size:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshyard.train.batching import BatchPlan, BatchPlanError
+from meshyard.runtime.batch_plan import BatchPlan, BatchPlanError
 
 
 @pytest.mark.parametrize(

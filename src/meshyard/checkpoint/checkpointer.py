@@ -1,0 +1,117 @@
+"""The one object that saves and loads a run's training state.
+
+``TrainingState`` bundles the ``Stateful`` parts a checkpoint holds: the model and its
+optimizer (DCP, resharded on load), the parts that are the same on every rank
+(counters, LR schedule, loss scaler, data position: JSON written by rank 0), parts of
+each rank's own (gradient-compression residuals: DCP under a per-rank key) and each
+rank's RNG states. ``Checkpointer`` turns that bundle into a checkpoint through the
+``CheckpointManager`` (atomic commit, retention, async writes) and back, and answers
+the training loop's questions about when to save.
+
+Save and load take the same path in opposite directions, so a part added to the bundle
+is saved and restored without any other change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager, SaveOutcome, read_trainer_state
+from meshyard.checkpoint.resume import ResumePoint, agree_resume_point
+from meshyard.checkpoint.state import SafeLoadPlanner, Stateful, load_tensor_state, tensor_state
+from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.config.sections import CheckpointConfig
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint holds, as ``Stateful`` parts.
+
+    ``shared``: identical on every rank, saved as JSON by rank 0 under each name, loaded
+    in the order given. ``per_rank``: tensors of each rank's own, saved under
+    ``<name>.rank<N>``. ``zero1``: the optimizer partitions its state over the replicas.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    shared: dict[str, Stateful] = field(default_factory=dict)
+    per_rank: dict[str, Stateful] = field(default_factory=dict)
+    zero1: bool = False
+
+
+class Checkpointer:
+    """Saves and restores a ``TrainingState`` through a checkpoint manager."""
+
+    def __init__(self, manager: CheckpointManager | NullCheckpointManager, state: TrainingState, rank: int,
+                 cfg: CheckpointConfig) -> None:
+        self.manager = manager
+        self.state = state
+        self.rank = rank
+        self.cfg = cfg
+        self.saved_step = -1  # the step of the last save or load: no final save needed there
+
+    # when to save (the manager's policy) ----------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.manager.enabled
+
+    @property
+    def save_final(self) -> bool:
+        return self.manager.save_final
+
+    @property
+    def outcomes(self) -> list[SaveOutcome]:
+        return self.manager.outcomes
+
+    def due(self, step: int) -> bool:
+        return self.manager.due(step)
+
+    def time_due(self) -> bool:
+        return self.manager.time_due()
+
+    def poll(self) -> None:
+        self.manager.poll()
+
+    def wait(self) -> None:
+        self.manager.wait()
+
+    def last_committed(self) -> str | None:
+        return self.manager.last_committed()
+
+    # save and load --------------------------------------------------------------------------
+    def save(self, step: int, facts: dict[str, Any], blocking: bool = False) -> None:
+        """Checkpoint the bundle at ``step``; ``facts`` (eval loss, tokens seen, ...) go
+        into the manifest."""
+        state = self.state
+        tensors = tensor_state(state.model, state.optimizer, self.rank, state.per_rank, state.zero1)
+        shared = {name: part.state_dict() for name, part in state.shared.items()}
+        self.manager.save(step, tensors, shared, facts, blocking=blocking)
+        self.saved_step = step
+
+    def load(self, point: ResumePoint) -> bool:
+        """Fill the bundle from ``point``; returns whether this rank's RNG state was
+        restored (only when a rank of that number saved one)."""
+        state = self.state
+        store = CheckpointStore(point.root, self.cfg.storage_options)
+        location = store.path(point.name)
+        shared = read_trainer_state(store, point.name)
+        saved_keys = set(store.dcp_reader(location).read_metadata().state_dict_metadata)
+        restored_rng = load_tensor_state(
+            lambda tensors: dcp.load(tensors, storage_reader=store.dcp_reader(location), planner=SafeLoadPlanner()),
+            state.model, state.optimizer, self.rank, saved_keys, state.per_rank, state.zero1,
+        )
+        for name, part in state.shared.items():
+            part.load_state_dict(shared[name])
+        self.saved_step = int(shared["progress"]["step"]) if "progress" in shared else -1
+        return restored_rng
+
+    def choose(self, resume: str, own_root: str, restarted: bool, report: Callable[[str], None],
+               world_size: int) -> ResumePoint | None:
+        """The checkpoint every rank starts from (None: a fresh start), checked by all
+        ranks together (``agree_resume_point``); ``load`` it next."""
+        return agree_resume_point(resume, own_root, self.cfg, restarted, report, self.rank, world_size)

@@ -1,0 +1,183 @@
+"""From a location a user typed to one checkpoint: the single resolver behind ``--resume``
+and ``meshyard ckpt``.
+
+A location is a local path or an fsspec URL (``s3://``, ``memory://``, ``file://``) and
+names one of:
+
+- a checkpoint: a folder with a ``manifest.json``, or one named ``step-NNNNNNNN`` (a save
+  that never finished has no manifest: it is still the checkpoint named, reported as not
+  valid rather than "not found");
+- a checkpoint folder: it holds ``step-NNNNNNNN`` checkpoints (``checkpoint.dir``);
+- a run directory: its ``checkpoints`` folder holds them;
+- ``latest``: the newest run directory named ``<run.name>`` or ``<run.name>-*`` under
+  ``run.dir`` that holds checkpoints (the word is a keyword; write ``./latest`` for a
+  folder of that name).
+
+They are tried in exactly that order, and the first that matches decides, even if it
+holds nothing valid. The order goes from the most specific reading to the least: each
+step looks one level deeper than the one before, so what the user named wins over
+whatever lies beneath it. A folder is ambiguous only when it holds ``step-*`` checkpoints
+and also a ``checkpoints`` folder of them (a run whose ``checkpoint.dir`` was its own run
+directory, reused with the default); its own checkpoints are the ones the user pointed at,
+and this is the order ``--resume`` always used, so resuming picks the same checkpoint as
+before.
+
+Out of a folder the newest valid checkpoint is taken (manifests and file sizes; checksums
+are the caller's, see ``resume.agree_resume_point``), older ones after a report of why the
+newer ones were skipped. A checkpoint named exactly is never swapped for another one.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
+
+from meshyard.checkpoint.manager import find_latest_valid, step_of
+from meshyard.checkpoint.manifest import MANIFEST, verify
+from meshyard.checkpoint.storage import CheckpointStore
+
+LATEST_RUN = "latest"
+RUN_CHECKPOINTS = "checkpoints"  # the checkpoint folder inside a run directory
+KINDS = ("give a checkpoint (a folder with manifest.json), a folder of step-NNNNNNNN checkpoints, "
+         "a run directory, or 'latest'")
+
+
+class LocationError(ValueError):
+    """A location holds no usable checkpoint; the message names it and says what to give instead."""
+
+
+class Runs(NamedTuple):
+    """Where ``latest`` looks: the parent folder of run directories and the run name
+    (a config's ``run.dir`` and ``run.name``)."""
+
+    dir: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One checkpoint: the folder ``root`` (path or URL) that holds it, its name there and
+    its manifest (empty when unreadable). ``options`` are the storage options it is read with."""
+
+    root: str
+    name: str  # step-NNNNNNNN
+    manifest: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def location(self) -> str:
+        return join(self.root, self.name)
+
+    def store(self) -> CheckpointStore:
+        """The store of ``root``: the checkpoint's files are under ``store().path(name)``."""
+        return CheckpointStore(self.root, self.options)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The checkpoints a location names: ``names`` (oldest first) in the folder ``root``;
+    ``exact`` when the location was one checkpoint."""
+
+    root: str
+    names: tuple[str, ...]
+    exact: bool
+
+
+def join(root: str, name: str) -> str:
+    """``root/name`` for a path or a URL (``memory://`` + ``x`` is ``memory://x``)."""
+    return posixpath.join(root, name)
+
+
+def _split(location: str) -> tuple[str, str]:
+    """(parent, name) of a checkpoint location; a bare name lies in the current folder."""
+    parent, slash, name = location.rstrip("/").rpartition("/")
+    return (parent or "/") if slash else ".", name
+
+
+def _store(location: str, options: dict[str, Any]) -> CheckpointStore:
+    try:
+        return CheckpointStore(location, options)
+    except (ValueError, ImportError) as exc:  # an unknown protocol, or its package missing
+        raise LocationError(f"{location}: cannot open it ({exc})") from None
+
+
+def _step_names(root: str, options: dict[str, Any]) -> tuple[str, ...]:
+    store = _store(root, options)
+    return tuple(sorted(n for n in store.list_dir(store.root) if step_of(n) is not None))
+
+
+def latest_run_dir(runs: Runs) -> Path:
+    """The newest (by modification time) run directory ``<dir>/<name>`` or
+    ``<dir>/<name>-*`` whose ``checkpoints`` folder holds ``step-NNNNNNNN`` entries."""
+    base = Path(runs.dir).expanduser().resolve()
+    candidates = [p for p in base.glob(f"{runs.name}*") if (p.name == runs.name or p.name.startswith(f"{runs.name}-"))
+                  and _step_names(str(p / RUN_CHECKPOINTS), {})]
+    if not candidates:
+        raise LocationError(f"{LATEST_RUN}: no run directory named '{runs.name}' or '{runs.name}-*' under {base} "
+                            f"has checkpoints; check the folder and run name searched (run.dir, run.name), or give a "
+                            "checkpoint's path instead")
+    return max(candidates, key=lambda p: p.stat().st_mtime)
+
+
+def find_checkpoints(location: str, options: dict[str, Any], runs: Runs | None = None) -> Candidates:
+    """What ``location`` names, by the order of the module docstring; raises
+    ``LocationError`` when it does not exist or holds no checkpoint."""
+    if location == LATEST_RUN:
+        if runs is None:
+            raise LocationError(f"{LATEST_RUN}: which runs to look in is not known here; give a path instead")
+        root = str(latest_run_dir(runs) / RUN_CHECKPOINTS)
+        return Candidates(root, _step_names(root, options), exact=False)
+    store = _store(location, options)
+    if not store.exists(store.root):
+        raise LocationError(f"{location} does not exist; {KINDS}")
+    if store.exists(store.path(MANIFEST)) or step_of(_split(location)[1]) is not None:
+        parent, name = _split(location)
+        return Candidates(parent, (name,), exact=True)
+    for root in (location, join(location, RUN_CHECKPOINTS)):
+        names = _step_names(root, options)
+        if names:
+            return Candidates(root, names, exact=False)
+    raise LocationError(f"{location} holds no checkpoint: it has no {MANIFEST}, and neither it nor its "
+                        f"'{RUN_CHECKPOINTS}' folder holds step-NNNNNNNN checkpoints; {KINDS}")
+
+
+def newest_valid(root: str, options: dict[str, Any], report: Callable[[str], None],
+                 rejected: Mapping[str, str] | None = None) -> CheckpointRef | None:
+    """The newest checkpoint in the folder ``root`` whose manifest and file sizes check
+    out, skipping the ``rejected`` locations; None when there is none."""
+    found = find_latest_valid(_store(root, options), False, report, _rejected_names(root, rejected or {}))
+    return CheckpointRef(root, found[0], found[1], options) if found else None
+
+
+def _rejected_names(root: str, rejected: Mapping[str, str]) -> set[str]:
+    """Checkpoint names directly under ``root`` among the ``rejected`` locations."""
+    return {name for name in (_split(location)[1] for location in rejected) if join(root, name) in rejected}
+
+
+def locate(location: str, options: dict[str, Any], *, runs: Runs | None = None,
+           report: Callable[[str], None] = print, rejected: Mapping[str, str] | None = None,
+           require_valid: bool = True) -> CheckpointRef:
+    """The checkpoint ``location`` names (see the module docstring for the order).
+
+    ``runs``: where ``latest`` looks. ``report`` hears why newer checkpoints of a folder
+    were skipped. ``rejected`` maps locations found damaged by a check made elsewhere (the
+    SHA-256 checks at resume) to the reason; they count as not valid. With
+    ``require_valid=False`` a checkpoint named exactly is returned even when it is not
+    valid (for tools that show what is wrong with it)."""
+    found = find_checkpoints(location, options, runs)
+    if not found.exact:
+        ref = newest_valid(found.root, options, report, rejected)
+        if ref is None:
+            raise LocationError(f"{location}: none of the {len(found.names)} checkpoints in {found.root} is valid "
+                                "(the reasons are above); give a checkpoint kept elsewhere")
+        return ref
+    name = found.names[0]
+    store = _store(found.root, options)
+    manifest, problem = verify(store, store.path(name), checksums=False)
+    problem = problem or (rejected or {}).get(join(found.root, name))
+    if problem and require_valid:
+        raise LocationError(f"{location} is a checkpoint but not a valid one: {problem}; give an older "
+                            "checkpoint, or the folder holding it to take its newest valid one")
+    return CheckpointRef(found.root, name, manifest or {}, options)

@@ -1,0 +1,217 @@
+"""Checks of a config on its own fields: ranges, and combinations one section or two decide.
+
+Types and choices are checked on load (``meshyard.config.load``); these are the checks
+that need nothing but the config. What needs more (the model registry, plugins, the
+world size) is checked by ``meshyard.validate``, which runs these too, so that one
+message lists every problem of a run. Nothing here raises: each check returns messages.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from meshyard.config.sections import (CheckpointConfig, CommConfig, Config, DataConfig, FaultConfig, MetricsConfig,
+                                      ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
+                                      TrainConfig)
+
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+"""Signals a run may treat as preemption."""
+
+
+def field_problems(cfg: Config) -> list[str]:
+    """Every problem the config's own fields show, section by section."""
+    return [
+        *_model_problems(cfg.model, cfg.data),
+        *_data_problems(cfg.data),
+        *_train_problems(cfg.train),
+        *_optim_problems(cfg.optim),
+        *_parallel_problems(cfg.parallel),
+        *_pipeline_problems(cfg.parallel),
+        *_comm_problems(cfg.comm, cfg.parallel),
+        *_combination_problems(cfg.parallel, cfg.comm, cfg.data),
+        *_precision_problems(cfg.precision),
+        *_checkpoint_problems(cfg.checkpoint),
+        *_fault_problems(cfg.fault),
+        *_metrics_problems(cfg.metrics),
+        *_run_problems(cfg.run),
+    ]
+
+
+def _failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
+    """The messages of the checks whose condition does not hold."""
+    return [message for holds, message in checks if not holds]
+
+
+def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
+    sizes = [(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative (0 means default)")
+             for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size")]
+    return _failed([
+        *sizes,
+        (not m.context_length or m.context_length >= d.seq_len,
+         f"model.context_length = {m.context_length} is shorter than data.seq_len = {d.seq_len}; "
+         "raise the context or shorten the samples"),
+        (0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)"),
+    ])
+
+
+def _data_problems(d: DataConfig) -> list[str]:
+    return _failed([
+        (d.source not in ("text", "tokens") or bool(d.paths),
+         f"data.source = '{d.source}' needs data.paths (files or glob patterns)"),
+        (all(isinstance(path, str) for path in d.paths),
+         f"data.paths = {d.paths} must list files or glob patterns as strings"),
+        (d.seq_len >= 1, f"data.seq_len = {d.seq_len} must be at least 1"),
+        (0.0 <= d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction} must be in [0, 1)"),
+        (d.num_workers >= 0, f"data.num_workers = {d.num_workers} must not be negative"),
+        (d.prefetch_factor >= 1, f"data.prefetch_factor = {d.prefetch_factor} must be at least 1"),
+        (d.max_tokens >= 0 and d.vocab_size >= 0, "data.max_tokens and data.vocab_size must not be negative"),
+        (d.random_tokens > d.seq_len, f"data.random_tokens = {d.random_tokens} must exceed data.seq_len"),
+        # The random source is drawn in memory, 8 bytes a token: 2^31 of them already take 16 GiB.
+        (d.random_tokens <= 2 ** 31, f"data.random_tokens = {d.random_tokens} must be at most 2147483648"),
+    ])
+
+
+def _train_problems(t: TrainConfig) -> list[str]:
+    return _failed([
+        (t.steps >= 1, f"train.steps = {t.steps} must be at least 1"),
+        (t.grad_clip >= 0, f"train.grad_clip = {t.grad_clip} must not be negative (0 disables clipping)"),
+        (t.eval_every >= 0, f"train.eval_every = {t.eval_every} must not be negative (0 disables evaluation)"),
+        (t.eval_batches >= 1, f"train.eval_batches = {t.eval_batches} must be at least 1"),
+        (t.seed >= 0,
+         f"train.seed = {t.seed} must not be negative (NumPy's generators take only non-negative seeds)"),
+    ])
+
+
+def _optim_problems(o: OptimConfig) -> list[str]:
+    betas_ok = len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas)
+    return _failed([
+        (o.lr > 0, f"optim.lr = {o.lr} must be positive"),
+        (o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay} must not be negative"),
+        (o.eps > 0, f"optim.eps = {o.eps} must be positive"),
+        (o.momentum >= 0, f"optim.momentum = {o.momentum} must not be negative"),
+        (betas_ok, f"optim.betas = {o.betas} must be two numbers in [0, 1)"),
+        (o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps} must not be negative"),
+        (0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]"),
+        (o.reference_batch >= 1, f"optim.reference_batch = {o.reference_batch} must be at least 1"),
+    ])
+
+
+def _parallel_problems(p: ParallelConfig) -> list[str]:
+    """Degrees, bucket and prefetch sizes: ranges only (whether the degrees fit a world
+    size is ``ParallelDims``'s question)."""
+    at_least_one = [(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be at least 1")
+                    for key in ("tp", "pp", "pp_virtual_stages", "ac_every")]
+    derived = [(getattr(p, key) >= 0, f"parallel.{key} = {getattr(p, key)} must not be negative (0 derives it)")
+               for key in ("dp_replicate", "dp_shard")]
+    prefetch = [(getattr(p, key) >= 0,
+                 f"parallel.{key} = {getattr(p, key)} must not be negative (0 keeps FSDP2's default)")
+                for key in ("forward_prefetch", "backward_prefetch")]
+    return _failed([
+        *derived, *at_least_one, *prefetch,
+        (p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must not be negative (0 uses parallel.pp)"),
+        # DDP turns the size into a byte count held in 64 bits; no bucket needs more than 1 TiB.
+        (0 < p.bucket_mb <= 2 ** 20,
+         f"parallel.bucket_mb = {p.bucket_mb} must be positive and at most 1048576 (1 TiB)"),
+    ])
+
+
+def _pipeline_problems(p: ParallelConfig) -> list[str]:
+    """Schedules and stage splits: which schedules run several stages per rank."""
+    stages = p.pp * p.pp_virtual_stages
+    split_ok = all(isinstance(n, int) and n >= 1 for n in p.pp_split) and len(p.pp_split) == stages
+    return _failed([
+        (not (p.pp > 1 and p.pp_schedule in ("interleaved1f1b", "zerobubble") and p.pp_virtual_stages < 2),
+         f"parallel.pp_schedule = '{p.pp_schedule}' runs several stages per rank; set parallel.pp_virtual_stages "
+         "to 2 or more (or use 'gpipe' / '1f1b')"),
+        (not (p.pp > 1 and p.pp_schedule in ("gpipe", "1f1b") and p.pp_virtual_stages != 1),
+         f"parallel.pp_virtual_stages = {p.pp_virtual_stages} needs parallel.pp_schedule = "
+         "'interleaved1f1b' or 'zerobubble'; 'gpipe' and '1f1b' run one stage per rank"),
+        (not p.pp_split or split_ok,
+         f"parallel.pp_split = {p.pp_split} must list one positive block count per stage "
+         f"({stages} stages = pp x pp_virtual_stages)"),
+    ])
+
+
+def _comm_problems(c: CommConfig, p: ParallelConfig) -> list[str]:
+    """Gradient-compression options: ranges, and compression only where DDP syncs gradients."""
+    return _failed([
+        (c.warmup_steps >= 0, f"comm.warmup_steps = {c.warmup_steps} must not be negative"),
+        (c.powersgd_rank >= 1, f"comm.powersgd_rank = {c.powersgd_rank} must be at least 1"),
+        (0.0 < c.topk_ratio <= 1.0, f"comm.topk_ratio = {c.topk_ratio} must be in (0, 1]"),
+        (not (c.compression == "powersgd" and 0 <= c.warmup_steps < 2),
+         f"comm.warmup_steps = {c.warmup_steps} is too short for comm.compression = 'powersgd': PyTorch's "
+         "PowerSGD needs at least 2 uncompressed steps (DDP regroups its buckets after the first); use 2 or more"),
+        (c.compression == "none" or p.strategy != "fsdp",
+         f"comm.compression = '{c.compression}' does not apply to parallel.strategy = 'fsdp': compression "
+         "is a DDP communication hook on the gradient all-reduce, and FSDP reduce-scatters sharded "
+         "gradients instead; use parallel.strategy = 'ddp' or 'zero1' to compress, or keep fsdp with "
+         "comm.compression = 'none' (precision.reduce_fp32 = false halves FSDP's reduce traffic in bf16)"),
+    ])
+
+
+def _combination_problems(p: ParallelConfig, c: CommConfig, d: DataConfig) -> list[str]:
+    """Strategies, compression and sequence lengths that tensor or pipeline parallelism rules out."""
+    return _failed([
+        (not (p.pp > 1 and c.compression != "none"),
+         f"comm.compression = '{c.compression}' is not supported with parallel.pp > 1"),
+        (not (p.tp > 1 and p.pp == 1 and p.strategy == "ddp" and c.compression != "none"),
+         f"comm.compression = '{c.compression}' does not combine with parallel.tp = {p.tp}: DDP cannot "
+         "wrap a tensor-parallel model, so 'ddp' replicates it with FSDP2, whose gradient all-reduce takes no "
+         "DDP communication hook; use comm.compression = 'none' (or parallel.tp = 1 to compress)"),
+        (not (p.tp > 1 and d.seq_len % p.tp and p.sequence_parallel),
+         f"data.seq_len = {d.seq_len} is not divisible by parallel.tp = {p.tp} (sequence parallelism splits "
+         "the sequence); change one or set parallel.sequence_parallel = false"),
+        (not (p.tp > 1 and p.strategy == "zero1"),
+         "parallel.strategy = 'zero1' does not combine with parallel.tp > 1; use 'fsdp' (FSDP x TP)"),
+        (not (p.pp > 1 and p.strategy == "zero1"),
+         "parallel.strategy = 'zero1' does not combine with parallel.pp > 1; use 'ddp' or 'fsdp'"),
+    ])
+
+
+def _precision_problems(p: PrecisionConfig) -> list[str]:
+    return _failed([
+        (p.loss_scale_growth_interval >= 1,
+         f"precision.loss_scale_growth_interval = {p.loss_scale_growth_interval} must be at least 1"),
+    ])
+
+
+def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
+    return _failed([
+        (c.interval >= 0, f"checkpoint.interval = {c.interval} must not be negative"),
+        (c.interval_minutes >= 0, f"checkpoint.interval_minutes = {c.interval_minutes} must not be negative"),
+        (c.keep_last >= 1, f"checkpoint.keep_last = {c.keep_last} must be at least 1"),
+    ])
+
+
+def _fault_problems(f: FaultConfig) -> list[str]:
+    signals = [(name in SIGNALS, f"fault.signals: '{name}' is not one of {', '.join(SIGNALS)}")
+               for name in f.signals]
+    return _failed([
+        (f.max_restarts >= 0, f"fault.max_restarts = {f.max_restarts} must not be negative"),
+        (f.grace_period_s > 0, f"fault.grace_period_s = {f.grace_period_s} must be positive"),
+        # Process groups hold their timeout as a timedelta, which overflows far beyond any useful wait.
+        (0 < f.collective_timeout_s <= 365 * 86400,
+         f"fault.collective_timeout_s = {f.collective_timeout_s} must be positive and at most a year (31536000)"),
+        *signals,
+        (f.hang_timeout_s >= 0, f"fault.hang_timeout_s = {f.hang_timeout_s} must not be negative"),
+        (f.startup_timeout_s >= 0,
+         f"fault.startup_timeout_s = {f.startup_timeout_s} must not be negative (0 disables it)"),
+    ])
+
+
+def _metrics_problems(m: MetricsConfig) -> list[str]:
+    return _failed([
+        (m.log_every >= 1, f"metrics.log_every = {m.log_every} must be at least 1"),
+        (m.gather_every >= 0, f"metrics.gather_every = {m.gather_every} must not be negative"),
+        (m.straggler_factor > 1.0, f"metrics.straggler_factor = {m.straggler_factor} must be above 1 (e.g. 1.25)"),
+        (0 <= m.prometheus_port < 65536,
+         f"metrics.prometheus_port = {m.prometheus_port} is not a port number (0-65535)"),
+    ])
+
+
+def _run_problems(r: RunConfig) -> list[str]:
+    return _failed([
+        (r.nproc >= 0, f"run.nproc = {r.nproc} must not be negative (0 starts one per visible GPU)"),
+        (0 <= r.threads_per_rank < 2 ** 31,  # torch.set_num_threads takes a C int
+         f"run.threads_per_rank = {r.threads_per_rank} must be in [0, 2147483647]"),
+    ])

@@ -1,0 +1,262 @@
+"""``build_trainer``: from a config and a joined process group to a Trainer ready to fit.
+
+Every rank of a run calls it (``meshyard.worker``); tests and notebooks can call it
+in-process too. The steps, in order, each a function below:
+
+1. observe: display, rank log, hang watchdog, step timer;
+2. layout: ``Layout`` from the parallel config and the world size, the batch plan, the
+   one DeviceMesh;
+3. data: the stateful sampler at this rank's data-parallel index;
+4. model: built (on the meta device where the layout shards it), parallelized, then
+   materialized;
+5. optimization: optimizer (ZeRO-1 partitioned when the layout says so), LR schedule,
+   precision;
+6. checkpointer: the bundle of Stateful parts and the manager that commits them;
+7. the Trainer, then resume: every rank agrees on the checkpoint to start from and
+   loads it.
+
+What the layout implies is asked of ``Layout``; nothing here branches on the strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshyard.checkpoint.checkpointer import Checkpointer, TrainingState
+from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
+from meshyard.checkpoint.resume import checkpoint_root, restart_count
+from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.config.dump import config_hash, config_to_toml
+from meshyard.config.sections import Config
+from meshyard.data.loader import DataBundle, build_data
+from meshyard.fault.preemption import NullWatcher, PreemptionWatcher
+from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
+from meshyard.metrics.console import NullDisplay, ProgressDisplay
+from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
+from meshyard.metrics.setup import build_exporters, build_meter, build_timer
+from meshyard.models.registry import build_model
+from meshyard.parallel.data_parallel import unwrap
+from meshyard.parallel.layout import Layout
+from meshyard.parallel.materialize import build_model_deferred, materialize
+from meshyard.parallel.parallelize import Parallelized, parallelize
+from meshyard.parallel.pipeline import tied_weight_group
+from meshyard.run_dir import run_id_of
+from meshyard.runtime.batch_plan import BatchPlan
+from meshyard.runtime.distributed import Runtime, rank0_decides
+from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr
+from meshyard.train.pipeline_step import PipelineStep
+from meshyard.train.precision import build_precision, resolve_dtype
+from meshyard.train.state import DataPosition, ScalerState, SchedulerState, TrainProgress
+from meshyard.train.step import MicroBatchStep, StepRunner
+from meshyard.train.trainer import Feed, Optimization, Services, Trainer
+from meshyard.validate import derive_layout
+
+
+@dataclass(frozen=True)
+class Observers:
+    """Where a rank reports: the console display (rank 0), its log, the watchdog, the timer."""
+
+    display: ProgressDisplay | NullDisplay
+    logger: Any
+    watchdog: HangWatchdog | NullWatchdog
+    timer: Any
+
+    def report(self, message: str) -> None:
+        """A warning for the log and the console."""
+        self.logger.warning(message)
+        self.display.note(f"meshyard: {message}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The layout on this job: degrees, batch arithmetic, the mesh, this rank's dp index."""
+
+    layout: Layout
+    batch: BatchPlan
+    mesh: DeviceMesh
+    dp_rank: int
+
+
+def build_trainer(cfg: Config, runtime: Runtime, run_dir: Path, resume: str = "auto",
+                  preemption: PreemptionWatcher | NullWatcher | None = None) -> Trainer:
+    """A Trainer for this rank of the job ``runtime`` describes, resumed as ``resume``
+    says (``auto``, ``none``, or a location ``checkpoint.locate`` understands).
+
+    The config must have been validated for this world size (``meshyard.validate``);
+    here only the layout is derived. Every rank calls this together: it runs collectives.
+    """
+    observers = observe(cfg, runtime, run_dir)
+    placement = place(cfg, runtime)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    batch = placement.batch
+    data = build_data(cfg.data, batch.global_batch, batch.micro_batch, placement.dp_rank, batch.dp_size,
+                      cfg.train.seed, runtime.device)
+    dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
+    parallelized, facts = build_parallel_model(cfg, runtime, placement, data, dtype, observers)
+    meter, throughput_facts = build_meter(cfg.metrics, observers.timer, parallelized.model, cfg.data.seq_len,
+                                          runtime.device, dtype, runtime.world_size)
+    optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
+    progress = TrainProgress()
+    facts.update(run_facts(cfg, runtime, placement, data, dtype, optimization), **throughput_facts,
+                 memory_capacity_bytes=meter.memory.capacity)
+    checkpointer = build_checkpointer(cfg, runtime, run_dir, parallelized, optimization, data, placement.batch,
+                                      progress, facts, observers.report)
+    services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
+                              build_exporters(cfg.metrics, run_dir) if runtime.is_main else []),
+                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog)
+    trainer = Trainer(parallelized, build_step_runner(parallelized, placement.mesh, optimization, runtime.device,
+                                                      observers.timer),
+                      optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
+                      progress, on_nonfinite=cfg.fault.on_nonfinite, facts=facts)
+    resume_trainer(trainer, cfg, runtime, run_dir, resume, observers.report)
+    return trainer
+
+
+def observe(cfg: Config, runtime: Runtime, run_dir: Path) -> Observers:
+    """The display (rank 0), this rank's log file, the hang watchdog (watching start-up
+    with its own, longer timeout, then each step) and the step timer."""
+    display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
+               if runtime.is_main else NullDisplay())
+    logger = rank_logger(run_dir, runtime.rank)
+    report = Observers(display, logger, NullWatchdog(), None).report
+    fault = cfg.fault
+    watched = (fault.hang_timeout_s > 0 or fault.startup_timeout_s > 0) and runtime.store is not None
+    watchdog = (HangWatchdog(run_dir, runtime.rank, runtime.world_size, runtime.store, fault.hang_timeout_s,
+                             fault.hang_abort, report, startup_timeout_s=fault.startup_timeout_s)
+                if watched else NullWatchdog())
+    return Observers(display, logger, watchdog, build_timer(cfg.metrics, runtime.device, watchdog.at))
+
+
+def place(cfg: Config, runtime: Runtime) -> Placement:
+    """The layout for this world size (checked against it: an external launcher may start
+    another world size than the config was validated for), the batch plan, the mesh and
+    this rank's data-parallel index."""
+    derived = derive_layout(cfg, runtime.world_size)
+    mesh, dp_mesh = derived.dims.build_mesh(runtime.device.type)
+    return Placement(derived.layout, derived.batch, mesh, dp_mesh.get_local_rank())
+
+
+def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, data: DataBundle,
+                         dtype: torch.dtype, observers: Observers) -> tuple[Parallelized, dict[str, Any]]:
+    """The model, parallelized by the layout. Under FSDP and pipelining it is built on the
+    meta device and materialized after sharding: no rank ever holds the whole model.
+    Returns it and facts for run.json (parameters, how it was initialised)."""
+    layout = placement.layout
+    model, init_record = build_model_deferred(lambda: build_model(cfg.model, data.vocab_size, cfg.data.seq_len),
+                                              runtime.device, layout.meta_init, observers.logger.info,
+                                              observers.report)
+    n_params = sum(p.numel() for p in model.parameters())  # meta parameters count too
+    timer = observers.timer
+    parallelized = parallelize(model, layout, placement.mesh, dtype, cfg.precision.reduce_fp32, cfg.comm,
+                               hook_wrapper=timer.comm.wrap if timer.comm else None)
+    model_init = "meta" if init_record is not None else "device"
+    if init_record is not None:
+        materialize(parallelized.model, init_record)  # this rank's shards and stages, valued as in a full build
+    del init_record  # it holds the values of tensors built with them, in full
+    if timer.enabled and layout.times_fsdp_waits(runtime.device.type):
+        timer.fsdp.attach(parallelized.model)  # FSDP's forward all-gather waits count as communication
+    return parallelized, {"parameters": n_params, "model_init": model_init}
+
+
+def build_optimization(cfg: Config, parallelized: Parallelized, placement: Placement, dtype: torch.dtype,
+                       device: torch.device) -> Optimization:
+    """Optimizer (its state partitioned over the replicas under ZeRO-1), LR schedule with
+    the peak scaled to the global batch, and the step's numerics."""
+    layout = placement.layout
+    peak_lr = scaled_peak_lr(cfg.optim, placement.batch.global_batch)
+    zero_group = placement.mesh["dp_replicate"].get_group() if layout.zero1 else None
+    optimizer = build_optimizer(unwrap(parallelized.model), cfg.optim, peak_lr, zero_group)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    precision = build_precision(dtype, device, sharded_grads=layout.sharded_grads, model_casts=layout.model_casts,
+                                growth_interval=cfg.precision.loss_scale_growth_interval)
+    return Optimization(optimizer, scheduler, precision)
+
+
+def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization: Optimization,
+                      device: torch.device, timer: Any) -> StepRunner:
+    """A pipeline schedule for a pipelined layout, micro-batches one after another through
+    the whole (possibly sharded) model otherwise."""
+    layout, model, precision = parallelized.layout, parallelized.model, optimization.precision
+    if not layout.pipelined:
+        return MicroBatchStep(model, precision, device, timer, loss_parallel=layout.loss_parallel)
+    tied_group = tied_weight_group(mesh) if model.tied else None
+    return PipelineStep(model, mesh["pp"].get_group(), layout.cfg.pp_schedule, layout.microbatches, precision,
+                        device, tied_group)
+
+
+def run_facts(cfg: Config, runtime: Runtime, placement: Placement, data: DataBundle, dtype: torch.dtype,
+              optimization: Optimization) -> dict[str, Any]:
+    """What this run is, for run.json and the rank log."""
+    batch = placement.batch
+    return {
+        "world_size": runtime.world_size, "backend": runtime.backend, "device": str(runtime.device),
+        **placement.layout.facts(),
+        "global_batch": batch.global_batch, "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum,
+        "dtype": str(dtype).removeprefix("torch."), "peak_lr": scaled_peak_lr(cfg.optim, batch.global_batch),
+        "data": data.description, "train_samples": data.train_samples,
+        "local_world_size": _local_world_size(runtime),
+    }
+
+
+def _local_world_size(runtime: Runtime) -> int:
+    """Ranks sharing this host (they share its memory on CPU)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size if runtime.store is None else 1))
+
+
+def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelized: Parallelized,
+                       optimization: Optimization, data: DataBundle, batch: BatchPlan, progress: TrainProgress,
+                       facts: dict[str, Any], report: Callable[[str], None]) -> Checkpointer:
+    """The checkpointer over this run's Stateful parts. Its manifests carry the layout and
+    the config, and this run's id (the same on every rank and every restart)."""
+    optimizer = optimization.optimizer
+    compression = parallelized.compression
+    state = TrainingState(
+        parallelized.model, optimizer,
+        shared={"progress": progress, "scheduler": SchedulerState(optimization.scheduler, optimizer),
+                "scaler": ScalerState(optimization.precision.scaler), "data": DataPosition(data, batch, progress)},
+        per_rank={"comm": compression} if compression.state_dict() else {},
+        zero1=parallelized.layout.zero1,
+    )
+    run_id = rank0_decides(lambda: run_id_of(run_dir))  # marks this run's checkpoints
+    if not cfg.checkpoint.enabled:
+        return Checkpointer(NullCheckpointManager(), state, runtime.rank, cfg.checkpoint)
+    manifest_facts = {key: facts[key] for key in ("world_size", "strategy", "dp_replicate", "dp_shard",
+                                                  "global_batch", "micro_batch")}
+    manifest_facts.update(config_hash=config_hash(cfg), config=config_to_toml(cfg))
+    store = CheckpointStore(checkpoint_root(cfg.checkpoint, run_dir), cfg.checkpoint.storage_options)
+    manager = CheckpointManager(cfg.checkpoint, store, runtime.rank, report, manifest_facts, run_id)
+    return Checkpointer(manager, state, runtime.rank, cfg.checkpoint)
+
+
+def resume_trainer(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Path, resume: str,
+                   report: Callable[[str], None]) -> None:
+    """Load the checkpoint every rank agrees on (if any) and seed what it did not restore.
+    Notes where the run resumed from in ``trainer.facts``."""
+    verify_start = time.perf_counter()
+    point = trainer.checkpoints.choose(resume, checkpoint_root(cfg.checkpoint, run_dir), restart_count() > 0, report,
+                                       runtime.world_size)
+    verify_s = time.perf_counter() - verify_start
+    restored_rng = False
+    if point is not None:
+        load_start = time.perf_counter()
+        restored_rng = trainer.checkpoints.load(point)
+        trainer.facts["resumed_from"] = {"checkpoint": point.location, "step": trainer.progress.step,
+                                         "load_s": time.perf_counter() - load_start, "verify_s": verify_s}
+    if not restored_rng:
+        # Different dropout masks per data-parallel rank; after a resume on another
+        # layout, also different from the masks of the steps already taken.
+        torch.manual_seed(cfg.train.seed + 1 + trainer.dp_rank + 1_000_003 * trainer.progress.step)
+
+
+def _writer(cfg: Config, runtime: Runtime, run_dir: Path) -> JsonlWriter | NullWriter:
+    """metrics.jsonl, written by rank 0."""
+    return JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()

@@ -1,0 +1,193 @@
+"""Whole-run checks: a config against the models, plugins and world size it will run with.
+
+Two roles, one per kind of process:
+
+- the launching process (``meshyard run``, ``meshyard.run``) calls ``validate`` (or
+  ``validate_local_launch``) once. It gathers every problem before raising one
+  ``ConfigError``: the config's own checks (``meshyard.config.checks``), names of models
+  and data sources, a built-in GPT's shape against its parallel degrees, optional extras,
+  and the layout of the job;
+- a worker calls ``derive_layout``, which only derives the ``Layout`` and ``BatchPlan``
+  for the world size the worker sees (an external torchrun may start another one) and
+  refuses one that does not fit, with the message the launching process would give.
+
+Both return a ``ValidatedLayout``, so the rest of the run uses exactly what was checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from meshyard.config.checks import field_problems
+from meshyard.config.load import ConfigError, collect_config, did_you_mean
+from meshyard.config.sections import Config
+from meshyard.extras import config_problems as extras_problems
+from meshyard.models.gpt import GPT_PRESETS
+from meshyard.models.registry import MODEL_NAMES
+from meshyard.parallel.layout import Layout
+from meshyard.plugins import is_custom_reference
+from meshyard.runtime.batch_plan import BatchPlan, BatchPlanError
+from meshyard.runtime.devices import default_nproc, local_launch_problem, visible_gpu_count
+from meshyard.runtime.parallel_dims import ParallelDims, ParallelDimsError
+
+DATA_SOURCES = ("stdlib", "text", "tokens", "random")
+
+
+@dataclass(frozen=True)
+class ValidatedLayout:
+    """The parallel layout and the batch arithmetic of a job, as checked."""
+
+    layout: Layout
+    batch: BatchPlan
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.layout.dims
+
+
+def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ()) -> ValidatedLayout:
+    """Check ``cfg`` for a job of ``world_size`` ranks; raise one ``ConfigError`` listing all
+    problems, ``earlier_problems`` (e.g. those found on load) first."""
+    problems: list[str] = list(earlier_problems)
+    problems.extend(_reference_problems(cfg))
+    problems.extend(field_problems(cfg))
+    problems.extend(extras_problems(cfg.metrics, cfg.checkpoint))
+    layout, layout_problems = _derive(cfg, world_size)
+    problems.extend(layout_problems)
+    if layout is not None:
+        problems.extend(_micro_batch_problems(cfg, layout.batch))
+    problems.extend(_gpt_shape_problems(cfg))
+    if problems:
+        raise ConfigError(problems)
+    assert layout is not None  # every reason for none was a problem above
+    return layout
+
+
+def derive_layout(cfg: Config, world_size: int) -> ValidatedLayout:
+    """The layout of a job of ``world_size`` ranks, for a process whose launcher validated
+    ``cfg`` in full: only what depends on the world size is derived here. Raises the
+    ``ConfigError`` ``validate`` would when the degrees or the batch do not fit it."""
+    layout, problems = _derive(cfg, world_size)
+    if layout is None:
+        # Degrees out of range derive nothing and name no problem of their own: list the
+        # config's (only a config that was never validated gets here).
+        raise ConfigError(problems or field_problems(cfg))
+    return layout
+
+
+def with_local_nproc(cfg: Config, nproc: int | None = None) -> Config:
+    """``cfg`` with ``run.nproc`` set to the workers a launch on this machine starts:
+    ``nproc`` when given, else ``run.nproc``, else (0) this machine's default: one per
+    visible GPU where the run uses CUDA, else 2 (``runtime.devices.default_nproc``)."""
+    resolved = nproc or cfg.run.nproc or default_nproc(cfg.run.device, visible_gpu_count())
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, nproc=resolved))
+
+
+def validate_local_launch(cfg: Config, nproc: int | None = None,
+                          earlier_problems: Iterable[str] = ()) -> tuple[Config, ValidatedLayout]:
+    """Check ``cfg`` for workers started on this machine (how many: ``with_local_nproc``),
+    including whether this machine can hold them (no more ranks than GPUs unless
+    ``run.share_gpus``). Returns the config carrying that count, and its layout."""
+    cfg = with_local_nproc(cfg, nproc)
+    run = cfg.run
+    launch_problem = local_launch_problem(run.nproc, run.device, visible_gpu_count(), run.share_gpus)
+    problems = [*earlier_problems, *([launch_problem] if launch_problem else [])]
+    return cfg, validate(cfg, run.nproc, problems)
+
+
+def load_and_validate(
+    path: str | Path | None, overrides: Iterable[str], world_size: int | None = None
+) -> tuple[Config, ValidatedLayout]:
+    """Load and check a config in one pass, so type errors and impossible combinations
+    are reported together. Without ``world_size``, for a launch on this machine
+    (``validate_local_launch``); the returned config then carries its ``run.nproc``."""
+    cfg, problems = collect_config(path, overrides)
+    if world_size is None:
+        return validate_local_launch(cfg, earlier_problems=problems)
+    return cfg, validate(cfg, world_size, problems)
+
+
+def _reference_problems(cfg: Config) -> list[str]:
+    """Model and data-source names: a registered one, or a plugin reference."""
+    problems = []
+    name, source = cfg.model.name, cfg.data.source
+    if not is_custom_reference(name) and name not in MODEL_NAMES:
+        problems.append(
+            f"model.name = '{name}' is not a known model{did_you_mean(name, MODEL_NAMES)}; known: "
+            f"{', '.join(MODEL_NAMES)}, or 'module:function' / 'file.py:function' for your own"
+        )
+    if not is_custom_reference(source) and source not in DATA_SOURCES:
+        problems.append(
+            f"data.source = '{source}' is not known{did_you_mean(source, DATA_SOURCES)}; known: "
+            f"{', '.join(DATA_SOURCES)}, or 'module:function' / 'file.py:function' for your own dataset"
+        )
+    return problems
+
+
+def _derive(cfg: Config, world_size: int) -> tuple[ValidatedLayout | None, list[str]]:
+    """ParallelDims and BatchPlan for ``world_size`` ranks, or the problems that prevent them.
+
+    Degrees out of range (negative, or tp/pp below 1) derive nothing and add no problem:
+    ``meshyard.config.checks`` names them, and ``ParallelDims`` would name them again.
+    """
+    p, t = cfg.parallel, cfg.train
+    model_parallel = max(p.tp, 1) * max(p.pp, 1)
+    if p.strategy == "none" and world_size > model_parallel:
+        per = f" per tp x pp = {model_parallel}" if model_parallel > 1 else ""
+        return None, [f"parallel.strategy = 'none' runs one process{per} but the world size is {world_size}; "
+                      f"use --nproc {model_parallel} or choose 'ddp', 'fsdp' or 'zero1'"]
+    if min(p.dp_replicate, p.dp_shard) < 0 or min(p.tp, p.pp) < 1:
+        return None, []
+    try:
+        layout = Layout.resolve(p, world_size)
+    except ParallelDimsError as exc:
+        return None, list(exc.problems)
+    try:
+        batch = BatchPlan.derive(t.global_batch, layout.dims.dp, t.micro_batch, t.grad_accum)
+    except BatchPlanError as exc:
+        return None, [str(exc)]
+    return ValidatedLayout(layout=layout, batch=batch), []
+
+
+def _micro_batch_problems(cfg: Config, batch: BatchPlan) -> list[str]:
+    """Pipeline micro-batches must split each train.micro_batch into whole samples."""
+    p = cfg.parallel
+    microbatches = p.microbatches or p.pp
+    if p.pp > 1 and microbatches > 0 and batch.micro_batch % microbatches:
+        return [f"parallel.microbatches = {microbatches} does not divide the {batch.micro_batch} samples "
+                "of each train.micro_batch; each pipeline micro-batch must hold whole samples"]
+    return []
+
+
+def _gpt_shape_problems(cfg: Config) -> list[str]:
+    """A built-in GPT's shape as it will be built (preset values where the config says 0)
+    against its heads and the tp/pp degrees: otherwise every worker fails building it."""
+    m, p = cfg.model, cfg.parallel
+    if m.name != "gpt" and m.name not in GPT_PRESETS:  # other models: only what the config itself says
+        if m.n_head > 0 and m.d_model and m.d_model % m.n_head:
+            return [f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}"]
+        return []
+    preset = GPT_PRESETS.get(m.name, GPT_PRESETS["gpt-tiny"])
+    size = {key: getattr(m, key) or preset[key] for key in ("n_layer", "n_head", "d_model")}
+
+    def shown(key: str) -> str:
+        return f"model.{key} = {size[key]}" + ("" if getattr(m, key) else f" (from '{m.name}')")
+
+    problems = []
+    if size["n_head"] > 0 and size["d_model"] % size["n_head"]:
+        problems.append(f"{shown('d_model')} is not divisible by {shown('n_head')}")
+    if p.tp > 1:
+        problems.extend(f"{shown(key)} is not divisible by parallel.tp = {p.tp}"
+                        for key in ("n_head", "d_model") if size[key] % p.tp)
+    stages = p.pp * p.pp_virtual_stages
+    if p.pp > 1 and not p.pp_split and size["n_layer"] < stages:
+        problems.append(f"{shown('n_layer')} blocks are fewer than the {stages} pipeline stages "
+                        "(parallel.pp x pp_virtual_stages); lower them or use more layers")
+    split = p.pp_split
+    if p.pp > 1 and split and all(isinstance(n, int) for n in split) and sum(split) != size["n_layer"]:
+        problems.append(f"parallel.pp_split = {split} sums to {sum(split)} blocks, not the "
+                        f"{size['n_layer']} of {shown('n_layer')}")
+    return problems

@@ -1,0 +1,42 @@
+"""Checks of a config on its own fields: every section's, listed together, none raising."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshyard.config.checks import field_problems
+from meshyard.config.load import load_config
+from meshyard.config.sections import Config
+
+
+def test_defaults_have_no_problems():
+    assert field_problems(Config()) == []
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("--model.dropout=1.0", "model.dropout = 1.0 must be in [0, 1)"),
+    ("--data.seq_len=0", "data.seq_len = 0 must be at least 1"),
+    ("--train.eval_batches=0", "train.eval_batches = 0 must be at least 1"),
+    ("--optim.betas=[0.9, 1.5]", "optim.betas = [0.9, 1.5] must be two numbers in [0, 1)"),
+    ("--parallel.dp_shard=-1", "parallel.dp_shard = -1 must not be negative (0 derives it)"),
+    ("--parallel.pp_split=[2, 2]", "must list one positive block count per stage"),
+    ("--comm.topk_ratio=0", "comm.topk_ratio = 0.0 must be in (0, 1]"),
+    ("--precision.loss_scale_growth_interval=0", "precision.loss_scale_growth_interval = 0 must be at least 1"),
+    ("--checkpoint.keep_last=0", "checkpoint.keep_last = 0 must be at least 1"),
+    ("--fault.signals=['SIGKILL']", "fault.signals: 'SIGKILL' is not one of SIGTERM"),
+    ("--metrics.prometheus_port=70000", "metrics.prometheus_port = 70000 is not a port number"),
+    ("--run.nproc=-1", "run.nproc = -1 must not be negative"),
+])
+def test_each_section_is_checked(override, fragment):
+    [problem] = field_problems(load_config(None, [override]))
+    assert fragment in problem
+
+
+def test_problems_of_several_sections_are_listed_together():
+    cfg = load_config(None, ["--train.steps=0", "--optim.lr=0", "--parallel.tp=2", "--parallel.strategy=zero1",
+                             "--data.seq_len=33", "--model.context_length=16"])
+    text = "\n".join(field_problems(cfg))
+    for fragment in ("train.steps = 0", "optim.lr = 0.0", "'zero1' does not combine with parallel.tp > 1",
+                     "data.seq_len = 33 is not divisible by parallel.tp = 2",
+                     "model.context_length = 16 is shorter than data.seq_len = 33"):
+        assert fragment in text

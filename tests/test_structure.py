@@ -1,0 +1,120 @@
+"""Packages point one way: what each layer may import, read from the source itself.
+
+Every import is found by parsing (at any depth: inside functions and ``TYPE_CHECKING``
+blocks too, and ``importlib.import_module("...")`` with a literal name), so a rule
+cannot be dodged by importing late. Each failure names the file, the line and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import meshyard
+
+SRC = Path(meshyard.__file__).resolve().parent
+ROOT = SRC.parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _absolute(path: Path, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` names, relative imports resolved against ``path``'s package."""
+    if not node.level:
+        return node.module or ""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _literal_import(node: ast.Call) -> str | None:
+    """The name in ``importlib.import_module("x")`` or ``__import__("x")``, when it is a literal."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+        return node.args[0].value if isinstance(node.args[0].value, str) else None
+    return None
+
+
+def _module_level(node: ast.AST) -> Iterator[ast.AST]:
+    """The statements run on import: everything but the bodies of functions and classes."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            yield from _module_level(child)
+
+
+def imports(path: Path, module_level_only: bool = False) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of everything ``path`` imports; ``from m import n`` gives ``m.n``
+    so that ``from meshyard import plan`` counts as importing ``meshyard.plan``."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _module_level(tree) if module_level_only else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(path, node)
+            yield from ((node.lineno, f"{module}.{alias.name}") for alias in node.names)
+        elif isinstance(node, ast.Call) and (name := _literal_import(node)):
+            yield node.lineno, name
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def offending_imports(folder: str, forbidden: Callable[[str], bool]) -> list[str]:
+    """'file:line imports name' for every import under ``src/meshyard/<folder>`` that
+    ``forbidden(name)`` refuses."""
+    found = []
+    for path in sorted((SRC / folder).rglob("*.py")):
+        for line, name in imports(path):
+            if forbidden(name):
+                found.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
+    return found
+
+
+def test_config_imports_nothing_of_meshyard_outside_config():
+    found = offending_imports("config", lambda name: _within(name, "meshyard")
+                              and not _within(name, "meshyard.config"))
+    assert not found, "config/ may import only meshyard.config.*:\n" + "\n".join(found)
+
+
+def test_metrics_import_nothing_from_the_planner():
+    found = offending_imports("metrics", lambda name: _within(name, "meshyard.plan"))
+    assert not found, "metrics/ must not import meshyard.plan:\n" + "\n".join(found)
+
+
+def test_models_never_import_torch_distributed():
+    found = offending_imports("models", lambda name: _within(name, "torch.distributed"))
+    assert not found, "models/ are plain nn.Modules, without torch.distributed:\n" + "\n".join(found)
+
+
+def _source_of(module: str) -> Path | None:
+    relative = Path(*module.split("."))
+    for candidate in (ROOT / relative.with_suffix(".py"), ROOT / relative / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_a_worker_loads_no_planner_module():
+    probe = ("import json, sys; import meshyard.worker; "
+             "print(json.dumps(sorted(m for m in sys.modules if m == 'meshyard' or m.startswith('meshyard.'))))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    planner = [m for m in loaded if _within(m, "meshyard.plan")]
+    # Name the module-level imports that pull the planner in, from the modules that were loaded.
+    culprits = [f"{path.relative_to(ROOT.parent)}:{line} imports {name}"
+                for module in loaded if not _within(module, "meshyard.plan") and (path := _source_of(module))
+                for line, name in imports(path, module_level_only=True) if _within(name, "meshyard.plan")]
+    assert not planner, (f"importing meshyard.worker loads {', '.join(planner)}; pulled in by:\n"
+                         + "\n".join(culprits or ["(an import below module level: see the modules above)"]))

@@ -1,0 +1,113 @@
+"""``build_trainer`` in-process: one rank in the test process, two through the spawn helper."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshyard.checkpoint.checkpointer import Checkpointer
+from meshyard.runtime.distributed import Runtime
+from meshyard.train.build import build_trainer
+from meshyard.train.step import MicroBatchStep
+from tests.conftest import tiny_config
+from tests.ranks import run_on_ranks
+
+
+def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
+    return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield _runtime()
+    dist.destroy_process_group()
+
+
+def test_a_trainer_built_in_process_trains_and_records(one_rank, tmp_path):
+    cfg = tiny_config(tmp_path, "--train.steps=6", "--parallel.strategy=none")
+    trainer = build_trainer(cfg, one_rank, tmp_path / "run")
+    assert isinstance(trainer.runner, MicroBatchStep) and isinstance(trainer.checkpoints, Checkpointer)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary["steps"] == 6 and summary["final_loss"] < summary["first_loss"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert trainer.facts["strategy"] == "none" and trainer.facts["parameters"] > 0
+
+
+def _losses(trainer) -> list[float]:
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer.progress.losses
+
+
+def test_a_rebuilt_trainer_resumes_exactly_from_the_checkpointer(one_rank, tmp_path):
+    """A 6-step run saves at steps 3 and 6; with step 6 removed, a fresh trainer on the
+    same run directory loads step 3 through the same Checkpointer, and its steps 4-6
+    match the first trainer's bit for bit (dropout on: the RNG state is restored too)."""
+    cfg = tiny_config(tmp_path, "--train.steps=6", "--parallel.strategy=none", "--checkpoint.enabled=true",
+                      "--checkpoint.interval=3", "--checkpoint.async_save=false", "--model.dropout=0.1")
+    run_dir = tmp_path / "run"
+    full = _losses(build_trainer(cfg, one_rank, run_dir))
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
+    resumed = build_trainer(cfg, one_rank, run_dir)
+    assert resumed.progress.step == 3 and resumed.facts["resumed_from"]["step"] == 3
+    assert _losses(resumed) == full[3:]
+
+
+def test_a_part_added_to_the_bundle_is_saved_and_restored(one_rank, tmp_path):
+    class Counter:
+        def __init__(self) -> None:
+            self.value = 0
+
+        def state_dict(self) -> dict:
+            return {"value": self.value}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.value = state["value"]
+
+    cfg = tiny_config(tmp_path, "--parallel.strategy=none", "--checkpoint.enabled=true",
+                      "--checkpoint.async_save=false", "--train.steps=2")
+    trainer = build_trainer(cfg, one_rank, tmp_path / "run")
+    counter = trainer.checkpoints.state.shared["counter"] = Counter()
+    counter.value = 41
+    _losses(trainer)  # saves the final checkpoint, with the counter
+    rebuilt = build_trainer(cfg, one_rank, tmp_path / "other")
+    restored = rebuilt.checkpoints.state.shared["counter"] = Counter()
+    point = rebuilt.checkpoints.choose(str(tmp_path / "run"), str(tmp_path / "other" / "checkpoints"), False,
+                                       print, 1)
+    rebuilt.checkpoints.load(point)
+    rebuilt.close()
+    assert restored.value == 41 and rebuilt.progress.step == 2
+
+
+def _two_rank_layouts(rank: int, world_size: int, tmp: str, overrides: tuple[str, ...]) -> dict:
+    cfg = tiny_config(Path(tmp), *overrides)
+    trainer = build_trainer(cfg, _runtime(rank, world_size), Path(tmp) / "run")
+    layout = trainer.layout
+    losses = _losses(trainer)
+    return {"runner": type(trainer.runner).__name__, "data_parallel": layout.data_parallel,
+            "zero1": layout.zero1, "losses": losses}
+
+
+@pytest.mark.parametrize("overrides, runner, data_parallel", [
+    (("--parallel.strategy=fsdp",), "MicroBatchStep", "fsdp"),
+    (("--parallel.strategy=zero1",), "MicroBatchStep", "ddp"),
+    (("--parallel.strategy=ddp", "--parallel.pp=2", "--parallel.microbatches=2"), "PipelineStep", "fsdp"),
+])
+def test_two_ranks_build_the_layout_they_were_given(tmp_path, overrides, runner, data_parallel):
+    results = run_on_ranks(_two_rank_layouts, str(tmp_path), overrides)
+    assert {r["runner"] for r in results} == {runner}
+    assert {r["data_parallel"] for r in results} == {data_parallel}
+    assert results[0]["zero1"] == ("--parallel.strategy=zero1" in overrides)
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 4
