@@ -118,3 +118,31 @@ def test_a_worker_loads_no_planner_module():
                 for line, name in imports(path, module_level_only=True) if _within(name, "meshyard.plan")]
     assert not planner, (f"importing meshyard.worker loads {', '.join(planner)}; pulled in by:\n"
                          + "\n".join(culprits or ["(an import below module level: see the modules above)"]))
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(folder: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'file:line name (N lines)' for every function or method under ``folder`` longer
+    than ``limit`` lines: the span of its ``def`` statement, docstring included."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(folder.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_needs_more_than_60_lines():
+    found = long_functions(SRC)
+    assert not found, "split these into named steps:\n" + "\n".join(found)
+
+
+def test_the_length_rule_sees_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text(f"def too_long():\n{body}\n\n\ndef short():\n    pass\n")
+    assert long_functions(tmp_path / "pkg") == ["pkg/long.py:1 too_long (61 lines)"]

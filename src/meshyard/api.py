@@ -152,6 +152,7 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
     env = detect_environment()
     if env is not None:
         validate(config, env.world_size, earlier_problems)  # the one full check of this process
+        config, resume = _resume_target(config, resume)
         return _run_as_rank(config, resume)
     config, _ = validate_local_launch(config, nproc, earlier_problems)
     config, resume = _resume_target(config, resume)

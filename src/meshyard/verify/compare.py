@@ -19,6 +19,7 @@ import torch
 
 from meshyard.checkpoint.tools import model_state, resolve
 from meshyard.config.sections import Config, ParallelConfig
+from meshyard.runtime.parallel_dims import ParallelDims
 from meshyard.train.precision import resolve_dtype
 from meshyard.validate import validate
 
@@ -85,8 +86,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def describe_layout(cfg: Config, nproc: int) -> str:
-    dims = validate(cfg, nproc).dims
+def describe_layout(cfg: Config, nproc: int, dims: ParallelDims) -> str:
     p = cfg.parallel
     parts = [f"{nproc} ranks", f"strategy {p.strategy}", f"dp_replicate {dims.dp_replicate}",
              f"dp_shard {dims.dp_shard}", f"tp {dims.tp}", f"pp {dims.pp}"]
@@ -156,9 +156,10 @@ def verify_layout(cfg: Config, nproc: int, steps: int = 5, workdir: str | Path |
     from meshyard.api import run
 
     layout_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, nproc=nproc))
-    batch = validate(layout_cfg, nproc).batch
+    checked = validate(layout_cfg, nproc)
+    batch = checked.batch
     precision, tolerance = tolerance_for(cfg)
-    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg, nproc))
+    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg, nproc, checked.dims))
     with tempfile.TemporaryDirectory(prefix="meshyard-verify-") as scratch:
         root = Path(workdir) if workdir else Path(scratch)
         single_cfg = _for_comparison(single_process(cfg, batch.micro_batch), steps, root / "single")
