@@ -7,27 +7,35 @@ batch. A 4-block GPT so that interleaved schedules get 2 stages per rank.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import meshyard
+from meshyard.config.sections import Config
 from tests.conftest import tiny_config
+from tests.inprocess import fit_on_ranks
 from tests.train.test_parity import DATA, assert_close
 
 STEPS = 4
 MODEL = ("--model.n_layer=4", "--train.eval_every=2", "--train.eval_batches=2")
 
 
-def losses(tmp_path, nproc: int, *overrides: str) -> tuple[list[tuple[float, float]], list[float]]:
+def _config(folder: Path, *overrides: str) -> Config:
+    return tiny_config(folder, *DATA, *MODEL, f"--train.steps={STEPS}", *overrides)
+
+
+def _values(records: list[dict]) -> tuple[list[tuple[float, float]], list[float]]:
     """Per-step (loss, grad norm), and the evaluation losses (every 2 steps)."""
-    cfg = tiny_config(tmp_path, *DATA, *MODEL, f"--train.steps={STEPS}", *overrides)
-    records = meshyard.run(cfg, nproc=nproc).metrics()
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return [(r["loss"], r["grad_norm"]) for r in records], [r["eval_loss"] for r in records if "eval_loss" in r]
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> tuple[list[tuple[float, float]], list[float]]:
-    values, evals = losses(tmp_path_factory.mktemp("single"), 1, "--parallel.strategy=none")
+    """One process, launched as a user launches it (the layouts are built in-process)."""
+    cfg = _config(tmp_path_factory.mktemp("single"), "--parallel.strategy=none")
+    values, evals = _values(meshyard.run(cfg, nproc=1).metrics())
     assert values[-1][0] < values[0][0] and len(evals) == STEPS // 2
     return values, evals
 
@@ -51,10 +59,23 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def layout_values(tmp_path_factory) -> dict[str, tuple[list[tuple[float, float]], list[float]]]:
+    """Every layout trained in-process: those of each world size one after another in one
+    spawn of that many ranks."""
+    root = tmp_path_factory.mktemp("layouts")
+    values = {}
+    for world_size in sorted({nproc for nproc, _ in LAYOUTS.values()}):
+        names = [name for name, (nproc, _) in LAYOUTS.items() if nproc == world_size]
+        configs = [_config(root / name, *LAYOUTS[name][1]) for name in names]
+        values.update({name: _values(records) for name, records in zip(names, fit_on_ranks(configs, world_size))})
+    return values
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(tmp_path, baseline, layout):
-    nproc, overrides = LAYOUTS[layout]
-    values, evals = losses(tmp_path, nproc, *overrides)
+def test_layout_matches_single_process(layout_values, baseline, layout):
+    _, overrides = LAYOUTS[layout]
+    values, evals = layout_values[layout]
     assert_close(values, baseline[0])
     if not any(o.startswith("--train.grad_accum") for o in overrides):
         # Evaluation runs through the same layout (a forward-only schedule under pipelining);

@@ -6,10 +6,13 @@ process, and gradient accumulation of k micro-steps equal to one k-times larger 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import meshyard
 from meshyard.config.sections import Config
+from tests.inprocess import fit_here, fit_on_ranks
 
 STEPS = 5
 REL_TOL = 1e-5
@@ -17,12 +20,15 @@ REL_TOL = 1e-5
 DATA = ("--data.source=stdlib", "--data.max_tokens=400000", "--data.cache_dir=")
 
 
-def losses(config: Config, nproc: int) -> list[tuple[float, float]]:
-    """Per-step (loss, global gradient norm) of a run."""
-    result = meshyard.run(config, nproc=nproc)
-    records = result.metrics()
+def losses_of(records: list[dict]) -> list[tuple[float, float]]:
+    """Per-step (loss, global gradient norm) of a run's records."""
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+def losses(config: Config, nproc: int) -> list[tuple[float, float]]:
+    """Per-step (loss, global gradient norm) of a run launched as a user launches it."""
+    return losses_of(meshyard.run(config, nproc=nproc).metrics())
 
 
 def assert_close(actual: list[tuple[float, float]], expected: list[tuple[float, float]]) -> None:
@@ -34,44 +40,48 @@ def assert_close(actual: list[tuple[float, float]], expected: list[tuple[float, 
         assert abs(a_norm - e_norm) <= 1e-4 * e_norm, f"step {step}: grad norm {a_norm} vs {e_norm}"
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[float]:
+TWO_RANKS = {
+    "ddp": ["--parallel.strategy=ddp"],
+    "fsdp-zero3": ["--parallel.strategy=fsdp"],
+    "fsdp-zero2": ["--parallel.strategy=fsdp", "--parallel.reshard_after_forward=false"],
+    "zero1": ["--parallel.strategy=zero1"],
+    "ddp-accumulation": ["--parallel.strategy=ddp", "--train.micro_batch=2"],
+}
+
+
+def _config(folder: Path, *overrides: str) -> Config:
     from tests.conftest import tiny_config
 
-    cfg = tiny_config(tmp_path_factory.mktemp("baseline"), *DATA, f"--train.steps={STEPS}",
-                      "--parallel.strategy=none")
-    values = losses(cfg, nproc=1)
+    return tiny_config(folder, *DATA, f"--train.steps={STEPS}", *overrides)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> list[tuple[float, float]]:
+    """One process, launched as a user launches it (the layouts below are built in-process)."""
+    values = losses(_config(tmp_path_factory.mktemp("baseline"), "--parallel.strategy=none"), nproc=1)
     assert values[-1][0] < values[0][0], "the baseline itself must learn"
     assert values[0][1] > 1.0, "clipping (train.grad_clip = 1) must be active for the norm check to bite"
     return values
 
 
-@pytest.mark.parametrize(
-    "strategy_args",
-    [
-        ["--parallel.strategy=ddp"],
-        ["--parallel.strategy=fsdp"],
-        ["--parallel.strategy=fsdp", "--parallel.reshard_after_forward=false"],
-        ["--parallel.strategy=zero1"],
-    ],
-    ids=["ddp", "fsdp-zero3", "fsdp-zero2", "zero1"],
-)
-def test_two_ranks_match_single_process(make_config, baseline, strategy_args):
-    cfg = make_config(*DATA, f"--train.steps={STEPS}", *strategy_args)
-    assert_close(losses(cfg, nproc=2), baseline)
+@pytest.fixture(scope="module")
+def two_rank_losses(tmp_path_factory) -> dict[str, list[tuple[float, float]]]:
+    """Every two-rank layout, trained one after another in one spawn of two ranks."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    configs = [_config(root / name, *overrides) for name, overrides in TWO_RANKS.items()]
+    return {name: losses_of(records) for name, records in zip(TWO_RANKS, fit_on_ranks(configs, 2))}
 
 
-def test_hsdp_on_four_ranks_matches_single_process(make_config, baseline):
-    cfg = make_config(*DATA, f"--train.steps={STEPS}", "--parallel.strategy=fsdp", "--parallel.dp_replicate=2")
-    result_losses = losses(cfg, nproc=4)
-    assert_close(result_losses, baseline)
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_two_ranks_match_single_process(two_rank_losses, baseline, layout):
+    assert_close(two_rank_losses[layout], baseline)
 
 
-def test_accumulation_equals_larger_batch(make_config, baseline):
-    cfg = make_config(*DATA, f"--train.steps={STEPS}", "--parallel.strategy=none", "--train.grad_accum=4")
-    assert_close(losses(cfg, nproc=1), baseline)
+def test_hsdp_on_four_ranks_matches_single_process(tmp_path, baseline):
+    cfg = _config(tmp_path, "--parallel.strategy=fsdp", "--parallel.dp_replicate=2")
+    assert_close(losses_of(fit_on_ranks([cfg], 4)[0]), baseline)
 
 
-def test_accumulation_under_ddp_matches(make_config, baseline):
-    cfg = make_config(*DATA, f"--train.steps={STEPS}", "--parallel.strategy=ddp", "--train.micro_batch=2")
-    assert_close(losses(cfg, nproc=2), baseline)
+def test_accumulation_equals_larger_batch(tmp_path, baseline):
+    cfg = _config(tmp_path, "--parallel.strategy=none", "--train.grad_accum=4")
+    assert_close(losses_of(fit_here(cfg)), baseline)
