@@ -139,7 +139,7 @@ def test_cuda_run_on_a_machine_without_gpu_exits_2_with_message(tmp_path, capsys
 def test_local_launch_with_more_ranks_than_gpus_is_refused_before_starting(make_config, monkeypatch, tmp_path):
     import meshyard
 
-    monkeypatch.setattr("meshyard.api.visible_gpu_count", lambda: 1)
+    monkeypatch.setattr("meshyard.validate.visible_gpu_count", lambda: 1)
     with pytest.raises(ConfigError, match="ranks would share a GPU"):
         meshyard.run(make_config(), nproc=2)
     assert not (tmp_path / "run").exists()  # nothing started, no run directory
