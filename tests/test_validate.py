@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from meshyard.config.load import ConfigError, load_config
@@ -115,3 +119,18 @@ def test_load_and_validate_reports_type_and_combination_problems_together():
     assert len(info.value.problems) == 2
     cfg, layout = load_and_validate(None, ["--run.nproc=1"])
     assert cfg.run.nproc == 1 and layout.dims.world_size == 1
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_any_worker_starts(tmp_path):
+    """Through the real command: tp = 2 on a GRU (no tensor-parallel plan) exits 2 with one
+    message naming the fixes; no run directory is made and no worker starts."""
+    repo = Path(__file__).resolve().parents[1]
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "meshyard.cli", "run", "examples/custom_model.toml", "--nproc=2",
+                           "--parallel.tp=2", f"--run.dir={runs}"], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("meshyard: invalid configuration (1 problem):")
+    assert "no tensor-parallel plan for CharRNN" in proc.stderr and "tensor_parallel_plan(tp_mesh)" in proc.stderr
+    assert "Traceback" not in proc.stderr and "run directory" not in proc.stdout + proc.stderr
+    assert not runs.exists()

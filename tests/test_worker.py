@@ -6,6 +6,7 @@ import pytest
 
 import meshyard.worker
 from meshyard.config.dump import config_to_dict
+from meshyard.fault.failure import RankFailed
 from meshyard.validate import validate
 
 
@@ -21,8 +22,9 @@ def test_process_group_timeout_comes_from_the_config(make_config, monkeypatch):
         raise Stop
 
     monkeypatch.setattr(meshyard.worker, "init_distributed", fake_init)
-    with pytest.raises(Stop):
+    with pytest.raises(RankFailed) as failure:  # a worker's failure, told in one paragraph
         meshyard.worker.run_worker(config_to_dict(make_config("--fault.collective_timeout_s=1234.5")))
+    assert isinstance(failure.value.__cause__, Stop)
     assert seen == [1234.5]
 
 

@@ -194,7 +194,7 @@ def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path) -> dict[
     started = time.time()
     try:
         return launch_local(spawned_worker, args, config.run.nproc, fault.max_restarts, fault.grace_period_s,
-                            fault.signals)[0]
+                            fault.signals, run_dir)[0]
     except WorkerFailure as failure:
         if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
             raise _preemption_from_record(run_dir, started) from None

@@ -6,7 +6,10 @@ Two roles, one per kind of process:
   ``validate_local_launch``) once. It gathers every problem before raising one
   ``ConfigError``: the config's own checks (``meshyard.config.checks``), names of models
   and data sources, a built-in GPT's shape against its parallel degrees, optional extras,
-  and the layout of the job;
+  the layout of the job, and whether the model can take that layout: where the layout
+  asks something of the model (tensor or pipeline parallelism, FSDP or activation
+  checkpointing of a model meshyard does not know, ``parallel.fsdp_units``), the model
+  is built on the meta device and inspected (``meshyard.parallel.inspect``);
 - a worker calls ``derive_layout``, which only derives the ``Layout`` and ``BatchPlan``
   for the world size the worker sees (an external torchrun may start another one) and
   refuses one that does not fit, with the message the launching process would give.
@@ -17,18 +20,31 @@ Both return a ``ValidatedLayout``, so the rest of the run uses exactly what was 
 from __future__ import annotations
 
 import dataclasses
+import io
+import logging
+import re
+import sys
+import warnings
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
 
 from meshyard.config.checks import field_problems
 from meshyard.config.load import ConfigError, collect_config, did_you_mean
 from meshyard.config.sections import Config
+from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.extras import config_problems as extras_problems
+from meshyard.fault.failure import describe
 from meshyard.models.gpt import GPT_PRESETS
-from meshyard.models.registry import MODEL_NAMES
+from meshyard.models.registry import MODEL_NAMES, build_model
+from meshyard.parallel.inspect import layout_problems as model_layout_problems
 from meshyard.parallel.layout import Layout
-from meshyard.plugins import is_custom_reference
+from meshyard.parallel.pipeline import example_micro_batch
+from meshyard.plugins import PluginError, is_custom_reference, load_callable, unaccepted_keywords
 from meshyard.runtime.batch_plan import BatchPlan, BatchPlanError
 from meshyard.runtime.devices import default_nproc, local_launch_problem, visible_gpu_count
 from meshyard.runtime.parallel_dims import ParallelDims, ParallelDimsError
@@ -59,7 +75,10 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
     problems.extend(layout_problems)
     if layout is not None:
         problems.extend(_micro_batch_problems(cfg, layout.batch))
-    problems.extend(_gpt_shape_problems(cfg))
+    shape_problems = _gpt_shape_problems(cfg)
+    problems.extend(shape_problems)
+    if layout is not None and not shape_problems:
+        problems.extend(_model_problems(cfg, layout))
     if problems:
         raise ConfigError(problems)
     assert layout is not None  # every reason for none was a problem above
@@ -191,3 +210,76 @@ def _gpt_shape_problems(cfg: Config) -> list[str]:
         problems.append(f"parallel.pp_split = {split} sums to {sum(split)} blocks, not the "
                         f"{size['n_layer']} of {shown('n_layer')}")
     return problems
+
+
+def _is_gpt(name: str) -> bool:
+    return name == "gpt" or name in GPT_PRESETS
+
+
+def _inspects_model(cfg: Config, layout: Layout) -> bool:
+    """Whether the layout asks something of the model that only the model can answer:
+    meshyard's GPT fits every layout its shape allows (checked from the config), so only
+    the unit classes named for it; other models, under anything but plain replication."""
+    p = cfg.parallel
+    if _is_gpt(cfg.model.name):
+        return bool(p.fsdp_units)
+    dims = layout.dims
+    return bool(p.fsdp_units) or dims.tp > 1 or dims.pp > 1 or layout.data_parallel == "fsdp" or p.ac != "none"
+
+
+def _model_problems(cfg: Config, validated: ValidatedLayout) -> list[str]:
+    """The model's own problems with the layout, found on a build on the meta device
+    (``meshyard.parallel.inspect``), or the builder's failure; none when the layout asks
+    nothing of the model or its builder cannot run on the meta device (then the workers
+    find the problems, and a note says so)."""
+    layout, m = validated.layout, cfg.model
+    if not _inspects_model(cfg, layout) or not _builds_as_configured(m.name, m.options):
+        return []
+    try:
+        model = _build_on_meta(cfg)
+    except Exception as exc:  # the user's builder: anything
+        if not re.search(r"\bmeta\b", str(exc), re.IGNORECASE):
+            return [f"model.name = '{m.name}': building the model failed: {describe(exc)}; fix the builder "
+                    "(or model.options) and run again"]
+        print(f"meshyard: note: the layout was not checked against the model before starting, because its "
+              f"builder cannot run on the meta device ({describe(exc)}); the workers check it as they build it",
+              file=sys.stderr, flush=True)
+        return []
+    tokens = example_micro_batch(validated.batch.micro_batch, layout.microbatches, cfg.data.seq_len)
+    with _torch_quiet():
+        return model_layout_problems(model, cfg.parallel, layout.dims, tokens, shape_checked=_is_gpt(m.name))
+
+
+@contextmanager
+def _torch_quiet() -> Iterator[None]:
+    """Nothing on the console while the model is inspected: a trace that fails prints the
+    whole graph it got as far as (torch.export) and logs warnings about it, and the
+    problem it found is in the message."""
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(disabled)
+
+
+def _builds_as_configured(name: str, options: dict) -> bool:
+    """A builder that does not import, or takes no keyword given in ``model.options``, is
+    reported by ``meshyard.api.prepare_inputs``, with the data's problems: not built here."""
+    if not is_custom_reference(name):
+        return True
+    try:
+        return not unaccepted_keywords(load_callable(name), options)
+    except PluginError:
+        return False
+
+
+def _build_on_meta(cfg: Config) -> nn.Module:
+    """The configured model on the meta device. The data's vocabulary is not read here:
+    the configured one, else that of the byte-level sources (a layout asks nothing of
+    the vocabulary but that tp divides it)."""
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size or BYTE_VOCAB
+    with torch.device("meta"):
+        return build_model(cfg.model, vocab, cfg.data.seq_len)

@@ -12,17 +12,21 @@ import platform
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from meshyard.checkpoint.resume import restart_count
 from meshyard.config.dump import config_hash, config_to_toml
-from meshyard.config.load import config_from_dict
+from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
+from meshyard.fault.failure import first_failure, record_failure, this_attempt
 from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
+from meshyard.launch.local import quiet_agent_logs
 from meshyard.metrics.records import read_metrics, truncate_metrics
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.devices import require_deterministic_cublas
@@ -56,16 +60,22 @@ def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None
 def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "auto") -> dict[str, Any] | None:
     """Train as one rank of the job; rank 0 returns the run summary, others None.
 
-    Raises ``Preempted`` after the preemption checkpoint when a stop signal arrived.
+    Raises ``Preempted`` after the preemption checkpoint when a stop signal arrived, and
+    ``RankFailed`` (its cause: the exception) for any other failure but a ``ConfigError``,
+    after writing the traceback to this rank's log (``meshyard.fault.failure``).
     """
     cfg = config_from_dict(config_values)
     # Before the device is chosen: cuBLAS reads its workspace setting when CUDA starts.
     require_deterministic_cublas(cfg.train.deterministic, cfg.run.device, os.environ)
-    runtime = init_distributed(detect_environment(), cfg.run.device, cfg.run.threads_per_rank,
-                               cfg.fault.collective_timeout_s, share_gpus=cfg.run.share_gpus)
+    where = _Whereabouts(int(os.environ.get("RANK", "0")), Path(run_dir) if run_dir else None)
+    with _failures_recorded(where):
+        runtime = init_distributed(detect_environment(), cfg.run.device, cfg.run.threads_per_rank,
+                                   cfg.fault.collective_timeout_s, share_gpus=cfg.run.share_gpus)
+    where.rank = runtime.rank
     watcher = _watch_signals(cfg.fault.signals)
     try:
-        return _train(cfg, runtime, run_dir, resume, watcher)
+        with _failures_recorded(where):
+            return _train(cfg, runtime, where, resume, watcher)
     finally:
         watcher.restore()
         shutdown_distributed()
@@ -73,11 +83,35 @@ def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "
 
 def spawned_worker(config_values: dict[str, Any], run_dir: str, resume: str) -> dict[str, Any] | None:
     """Entry point of workers started by the local elastic agent: a preempted worker
-    exits with ``EXIT_PREEMPTED`` so the launcher can tell preemption from a crash."""
+    exits with ``EXIT_PREEMPTED`` so the launcher can tell preemption from a crash. The
+    agent's own log records stay off the console: the launcher tells a failure."""
+    with quiet_agent_logs():
+        try:
+            return run_worker(config_values, run_dir, resume)
+        except Preempted:
+            sys.exit(EXIT_PREEMPTED)
+
+
+@dataclass
+class _Whereabouts:
+    """This rank's number and run directory, as far as they are known yet: where a
+    failure is recorded."""
+
+    rank: int
+    run_dir: Path | None
+
+
+@contextmanager
+def _failures_recorded(where: _Whereabouts) -> Iterator[None]:
+    """An exception out of the block becomes a ``RankFailed`` (one paragraph), its
+    traceback written to the rank's log. A ``ConfigError`` already is one clear message,
+    and ``Preempted`` is no failure."""
     try:
-        return run_worker(config_values, run_dir, resume)
-    except Preempted:
-        sys.exit(EXIT_PREEMPTED)
+        yield
+    except (Preempted, ConfigError):
+        raise
+    except Exception as exc:
+        raise record_failure(exc, where.rank, where.run_dir) from exc
 
 
 def _watch_signals(names: list[str]) -> PreemptionWatcher | NullWatcher:
@@ -86,12 +120,15 @@ def _watch_signals(names: list[str]) -> PreemptionWatcher | NullWatcher:
     return PreemptionWatcher(names)
 
 
-def _train(cfg: Config, runtime: Runtime, run_dir_text: str, resume: str,
+def _train(cfg: Config, runtime: Runtime, where: _Whereabouts, resume: str,
            watcher: PreemptionWatcher | NullWatcher) -> dict[str, Any] | None:
-    run_dir = Path(rank0_decides(lambda: run_dir_text or str(resolve_run_dir(cfg.run, _cluster_job_id()))))
+    given = str(where.run_dir) if where.run_dir else ""
+    run_dir = Path(rank0_decides(lambda: given or str(resolve_run_dir(cfg.run, _cluster_job_id()))))
     run_dir.mkdir(parents=True, exist_ok=True)
+    where.run_dir = run_dir
     trainer = build_trainer(cfg, runtime, run_dir, resume, watcher)
     try:
+        _note_restart(trainer, cfg, run_dir)
         _announce(trainer, cfg, runtime, run_dir)
         summary = trainer.fit()
     except Preempted as stop:
@@ -126,6 +163,16 @@ def _announce(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Path) ->
         f"{batch.micro_batch} x {batch.grad_accum} accum x {batch.dp_size} dp; data {facts['data']}"
         + (f"; resumed from {resumed['checkpoint']} at step {trainer.progress.step}" if resumed else "")
     )
+
+
+def _note_restart(trainer: Trainer, cfg: Config, run_dir: Path) -> None:
+    """After the elastic agent restarted the workers, one line on the console saying why:
+    the agent's own report of the failure is kept off it (``launch.local``)."""
+    job, restart = this_attempt()
+    if restart > 0:
+        cause = first_failure(run_dir, job, restart - 1) or f"a worker ended (see {run_dir / 'logs' / 'agent.log'})"
+        trainer.sinks.display.note(f"meshyard: restart {restart} of fault.max_restarts = "
+                                   f"{cfg.fault.max_restarts}, after {cause}")
 
 
 def _record_restart(run_dir: Path, resumed_from: str | None, resumed_step: int) -> None:

@@ -1,18 +1,28 @@
 """Failure modes seen from the outside, on 2 gloo ranks: slow data, a straggler, a hang,
-non-finite values. Each is caused on purpose by a test-only plugin."""
+non-finite values, an exception in the user's model. Each is caused on purpose by a
+test-only plugin."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
 import meshyard
+from meshyard.cli import main
 from meshyard.doctor.diagnose import diagnose
 from meshyard.launch.local import WorkerFailure
+from tests.checkpoint.helpers import JOB, REPO, run
 from tests.conftest import tiny_config
 
 PLUGIN = "tests/fault/faulty_plugins.py"
+BROKEN = "--model.name=tests/models/user_models.py:broken_forward"
+# The elastic agent's and torch's log lines ("E1123 17:37:25.930000 19191 torch/...] ...").
+TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} [\d:.]+ \d+ \S+\] ", re.MULTILINE)
 
 
 def test_slow_data_loader_is_diagnosed_data_bound(tmp_path):
@@ -43,6 +53,7 @@ def test_hang_watchdog_names_the_rank_that_never_arrived(tmp_path):
     with pytest.raises(WorkerFailure) as failure:
         meshyard.run(cfg, nproc=2)
     assert 124 in failure.value.exit_codes
+    assert re.match(r"rank \d exited with code 124, stopped by the hang watchdog", str(failure.value)), failure.value
     hang = tmp_path / "run" / "hang"
     report = json.loads((hang / "report-rank0.json").read_text())
     assert report["behind"] == [1]
@@ -70,3 +81,56 @@ def test_nonfinite_loss_is_reported_with_step_and_rank(tmp_path):
                        "--model.options={ rank = 1, nan_at = 2 }", "--train.steps=4", "--fault.on_nonfinite=stop")
     with pytest.raises(WorkerFailure, match="non-finite values at step 2"):
         meshyard.run(stop, nproc=2)
+
+
+def assert_one_paragraph(err: str, rank: int, log) -> None:
+    """The console holds this rank's failure as one line, the place in the user's code,
+    and nothing of the tracebacks (they are in the log)."""
+    [line] = [line for line in err.splitlines() if line.startswith("meshyard: rank")]
+    assert line.startswith(f"meshyard: rank {rank} failed: ValueError: broken on purpose: a batch of shape "), err
+    assert line.endswith(f"(at user_models.py:{_raise_line()} in _check_batch); full traceback in {log}"), line
+    assert "Traceback" not in err and "second line" not in err and not TORCH_LOG_LINE.search(err), err
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "second line, not shown on the console" in text
+
+
+def _raise_line() -> int:
+    source = (REPO / "tests" / "models" / "user_models.py").read_text().splitlines()
+    return next(n for n, line in enumerate(source, 1) if "raise ValueError(f\"broken on purpose" in line)
+
+
+def test_exception_in_a_users_model_is_one_paragraph_naming_the_first_rank(tmp_path):
+    """Rank 1's forward raises; rank 0 then loses its peer in the gradient all-reduce and
+    fails too. The console names rank 1's exception, once when the agent restarts the
+    workers and once when it gives up, not the agent's tracebacks: those go to
+    logs/agent.log."""
+    run_dir = tmp_path / "run"
+    code, out, err = run(run_dir, BROKEN, "--model.options={ rank = 1 }", "--fault.max_restarts=1")
+    assert code == 1, err[-3000:]
+    assert_one_paragraph(err, 1, run_dir / "logs" / "rank1.log")
+    [restart] = [line for line in (out + err).splitlines() if "restart 1" in line]
+    assert restart.startswith("meshyard: restart 1 of fault.max_restarts = 1, after rank 1 failed: ValueError: ")
+    assert "failed (exitcode: 1)" in (run_dir / "logs" / "agent.log").read_text()
+
+
+def test_exception_in_one_process_run_is_one_paragraph(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["run", "--nproc=1", "--parallel.strategy=none", *JOB, BROKEN, f"--run.run_dir={run_dir}",
+                 f"--data.cache_dir={tmp_path / 'cache'}"])
+    assert code == 1
+    assert_one_paragraph(capsys.readouterr().err, 0, run_dir / "logs" / "rank0.log")
+
+
+def test_exception_in_a_rank_under_torchrun_is_one_paragraph(tmp_path):
+    """torchrun starts the rank; meshyard's part of its output is the same paragraph
+    (what torchrun's own agent prints after it is torchrun's)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "meshyard.cli", "run", "--parallel.strategy=none", *JOB, BROKEN, f"--run.run_dir={run_dir}",
+           f"--data.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    torchrun_says = TORCH_LOG_LINE.search(proc.stderr)  # its agent's record of the exit, then its traceback
+    mine = proc.stderr[: torchrun_says.start()] if torchrun_says else proc.stderr
+    assert_one_paragraph(mine, 0, run_dir / "logs" / "rank0.log")

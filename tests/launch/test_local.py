@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 
 from torch.distributed.launcher.api import LaunchConfig
 
 from meshyard.launch import local
-from meshyard.launch.local import FIXED_SHUTDOWN_TIMEOUT_S, launch_config
+from meshyard.launch.local import FIXED_SHUTDOWN_TIMEOUT_S, launch_config, quiet_agent_logs
 from tests.checkpoint.helpers import finish, latest_checkpoint, start, wait_for_step, worker_pid
 from tests.launch.sockets import alive, listening
 
@@ -50,3 +51,38 @@ def test_sigusr1_to_launcher_saves_exits_75_and_leaves_no_worker(tmp_path):
     assert sig.name in record["signal"] and record["within_grace"] and record["step"] >= 3
     assert latest_checkpoint(run_dir).name == f"step-{record['step']:08d}"
     assert not [pid for pid in workers if alive(pid)]
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_the_agents_records_stay_off_the_console_and_go_to_its_log(tmp_path):
+    """The agent's loggers reach the console through torch's handlers: those drop the
+    agent's records (any agent logger, even one created later) and nothing else."""
+    console = Collect()
+    holders = [logging.getLogger("torch.distributed"), logging.getLogger("torch")]
+    for holder in holders:
+        holder.addHandler(console)
+    agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    spawn = logging.getLogger("torch.multiprocessing.spawn")
+    other = logging.getLogger("torch.distributed.elasticity")  # a name beside the agent's
+    try:
+        with quiet_agent_logs(tmp_path / "logs" / "agent.log"):
+            agent.error("failed (exitcode: 1) local_rank: 0")
+            spawn.warning("Terminating process 1 via signal SIGTERM")
+            logging.getLogger("torch.distributed.elastic.new_module").error("later logger")
+            other.warning("not the agent's")
+        agent.error("after the launch")
+    finally:
+        for holder in holders:
+            holder.removeHandler(console)
+    assert console.messages == ["not the agent's", "after the launch"]
+    kept = (tmp_path / "logs" / "agent.log").read_text()
+    assert "failed (exitcode: 1)" in kept and "Terminating process" in kept and "later logger" in kept
+    assert "not the agent's" not in kept and "after the launch" not in kept

@@ -3,8 +3,12 @@
 - ``nanogpt``: the nanoGPT layout: a ModuleDict ``transformer`` holding the embeddings
   (``wte``, ``wpe``), a ModuleList ``h`` of blocks and ``ln_f``; fused ``c_attn``,
   ``c_proj``, ``c_fc``; a forward that loops over its blocks; tied head.
+- ``untraceable``: the nanoGPT with a forward that branches on a tensor's value, which
+  pipeline parallelism (it traces the forward) must refuse.
 - ``hf_gpt2`` and ``hf_llama``: Hugging Face ``transformers`` models built from a tiny
   config (random init, no download); they return a ``ModelOutput`` with ``.logits``.
+- ``broken_forward``: raises a ValueError in its forward (from a helper function), on
+  every rank or only on ``rank``: how a failing worker is reported.
 
 Builders take the keywords meshyard offers (``vocab_size``, ``context_length``).
 """
@@ -12,6 +16,7 @@ Builders take the keywords meshyard offers (``vocab_size``, ``context_length``).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +107,20 @@ def nanogpt(vocab_size: int, context_length: int, n_layer: int = 4, n_head: int 
     return NanoGPT(vocab_size, context_length, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
 
 
+class Untraceable(NanoGPT):
+    """A nanoGPT whose forward branches on a tensor's value: torch.export cannot trace it."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(idx)
+        if logits.mean() > 0:  # data-dependent control flow
+            return logits
+        return -logits
+
+
+def untraceable(vocab_size: int, context_length: int, n_layer: int = 4) -> nn.Module:
+    return Untraceable(vocab_size, context_length, n_layer=n_layer)
+
+
 def hf_gpt2(vocab_size: int, context_length: int, n_layer: int = 4) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -119,3 +138,27 @@ def hf_llama(vocab_size: int, context_length: int, n_layer: int = 4) -> nn.Modul
                          bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
+
+
+def _check_batch(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError(f"broken on purpose: a batch of shape {tuple(x.shape)}\nsecond line, not shown on the console")
+
+
+class BrokenForward(nn.Module):
+    """Fails in its forward, from a helper function, on every rank or only on ``rank``."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, 8)
+        self.head = nn.Linear(8, vocab_size)
+        self.rank = rank
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        if self.rank < 0 or str(self.rank) == os.environ.get("RANK", "0"):
+            x = _check_batch(x)
+        return self.head(x)
+
+
+def broken_forward(vocab_size: int, rank: int = -1) -> nn.Module:
+    return BrokenForward(vocab_size, rank)

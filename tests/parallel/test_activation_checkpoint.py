@@ -1,5 +1,7 @@
 """Activation checkpointing changes memory, never names or gradients: checkpointed blocks
-run their forward a second time in backward, and autograd keeps fewer activations."""
+run their forward a second time in backward, and autograd keeps fewer activations. Blocks
+are found by class, also where a user's model keeps them (nanoGPT: a ModuleList inside a
+ModuleDict)."""
 
 from __future__ import annotations
 
@@ -8,22 +10,25 @@ import torch
 
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.parallel.activation_checkpoint import apply_ac, checkpointed_blocks
+from tests.models.user_models import nanogpt
 
 SHAPE = GPTShape(vocab_size=32, context_length=8, n_layer=4, n_head=2, d_model=16)
+BUILDERS = {"gpt": lambda: GPT(SHAPE), "nanogpt": lambda: nanogpt(SHAPE.vocab_size, SHAPE.context_length)}
 
 
-def grads(mode: str) -> tuple[dict[str, torch.Tensor], int]:
+def grads(mode: str, model_name: str = "gpt") -> tuple[dict[str, torch.Tensor], int]:
     torch.manual_seed(0)
-    model = apply_ac(GPT(SHAPE), mode, every=2)
+    model = apply_ac(BUILDERS[model_name](), mode, every=2)
     tokens = torch.randint(0, SHAPE.vocab_size, (2, 8))
     model(tokens).logsumexp(-1).mean().backward()
     return {n: p.grad for n, p in model.named_parameters()}, checkpointed_blocks(model)
 
 
+@pytest.mark.parametrize("model_name", list(BUILDERS))
 @pytest.mark.parametrize("mode, wrapped", [("full", 4), ("selective", 2)])
-def test_checkpointing_keeps_gradients_and_names(mode, wrapped):
-    reference, none_wrapped = grads("none")
-    actual, count = grads(mode)
+def test_checkpointing_keeps_gradients_and_names(mode, wrapped, model_name):
+    reference, none_wrapped = grads("none", model_name)
+    actual, count = grads(mode, model_name)
     assert none_wrapped == 0 and count == wrapped
     assert actual.keys() == reference.keys()
     for name, grad in reference.items():

@@ -8,21 +8,30 @@ import torch
 from tests.ranks import run_on_ranks
 from tests.parallel.scenarios import single_forward_backward, tp_forward_backward
 
+CASES = {  # name: (sequence_parallel, tied, vocab_split_loss)
+    "sp-tied": (True, True, False),
+    "plain-untied": (False, False, False),
+    "sp-tied-loss-parallel": (True, True, True),
+    "sp-untied-loss-parallel": (True, False, True),
+}
 
-@pytest.mark.parametrize(
-    "sequence_parallel, tied, vocab_split_loss",
-    [(True, True, False), (False, False, False), (True, True, True), (True, False, True)],
-    ids=["sp-tied", "plain-untied", "sp-tied-loss-parallel", "sp-untied-loss-parallel"],
-)
-def test_tp_gradients_equal_single_device(sequence_parallel, tied, vocab_split_loss):
-    reference = single_forward_backward(tied)
-    for out in run_on_ranks(tp_forward_backward, sequence_parallel, tied, vocab_split_loss, world_size=2):
-        assert out["loss"] == pytest.approx(reference["loss"], rel=1e-6)
-        assert set(out["grads"]) == set(reference["grads"]), "TP must keep parameter names"
-        for name, grad in reference["grads"].items():
-            # The fused qkv projection is the part a naive column split gets wrong.
-            torch.testing.assert_close(out["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
-            assert out["params"][name].shape == reference["params"][name].shape
+
+def _all_cases(rank: int, world_size: int) -> dict[str, dict]:
+    """Every case in one spawn of the ranks (starting them is most of the cost)."""
+    return {name: tp_forward_backward(rank, world_size, *case) for name, case in CASES.items()}
+
+
+def test_tp_gradients_equal_single_device():
+    references = {tied: single_forward_backward(tied) for tied in (True, False)}
+    for results in run_on_ranks(_all_cases, world_size=2):
+        for name, (_, tied, _) in CASES.items():
+            out, reference = results[name], references[tied]
+            assert out["loss"] == pytest.approx(reference["loss"], rel=1e-6), name
+            assert set(out["grads"]) == set(reference["grads"]), "TP must keep parameter names"
+            for param, grad in reference["grads"].items():
+                # The fused qkv projection is the part a naive column split gets wrong.
+                torch.testing.assert_close(out["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")
+                assert out["params"][param].shape == reference["params"][param].shape
 
 
 def test_indivisible_heads_are_refused():

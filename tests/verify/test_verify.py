@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 
 from meshyard.cli import main
 from meshyard.verify import VerifyReport, tolerance_for
@@ -18,6 +21,26 @@ def test_pipeline_layout_passes(tmp_path, capsys):
     assert code == 0, out
     assert "PASS" in out and "max parameter difference" in out
     assert out.count("\n    ") >= 3  # one table row per step
+
+
+USER_MODELS = Path(__file__).resolve().parents[1] / "models" / "user_models.py"
+
+
+@pytest.mark.parametrize("model, layout", [
+    ("nanogpt", ["--parallel.strategy=fsdp"]),
+    ("hf_llama", ["--parallel.strategy=none", "--parallel.tp=2"]),
+    ("hf_gpt2", ["--parallel.strategy=none", "--parallel.pp=2"]),
+], ids=["nanogpt-fsdp", "hf_llama-tp2", "hf_gpt2-pp2"])
+def test_users_models_pass(tmp_path, capsys, model, layout):
+    """Models meshyard has never seen (nanoGPT-style, Hugging Face GPT-2 and Llama),
+    through the real command: both runs, the table and the verdict."""
+    if model.startswith("hf_"):
+        pytest.importorskip("transformers")
+    code = main(["verify", *TINY, f"--model.name={USER_MODELS}:{model}", *layout, "--nproc", "2", "--steps", "2",
+                 f"--data.cache_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PASS" in out and "missing" not in out
 
 
 def test_mis_split_qkv_fails(tmp_path, capsys):

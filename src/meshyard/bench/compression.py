@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshyard.bench.report import (BenchInputError, bench_overrides, format_table, new_figure, save_figure,
                                    write_record)
@@ -121,6 +120,7 @@ def measure_step_bytes(cfg: Config, world_size: int) -> dict[str, Any]:
     from meshyard.data.loader import custom_datasets, split_corpus
     from meshyard.models.registry import build_model
     from meshyard.plugins import is_custom_reference
+    from meshyard.train.step import logits_of, next_token_loss
 
     if dist.is_initialized():
         return {}  # inside a job already: a private one-rank group cannot be made here
@@ -136,8 +136,7 @@ def measure_step_bytes(cfg: Config, world_size: int) -> dict[str, Any]:
         compression.counter.world_size = world_size  # wire estimate for the benchmark's ranks
         tokens = torch.randint(0, vocab, (1, cfg.data.seq_len + 1))
         for _ in range(comm.warmup_steps + 1):
-            logits = ddp(tokens[:, :-1])
-            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            next_token_loss(logits_of(ddp(tokens[:, :-1])), tokens[:, 1:]).backward()  # the trainer's loss
             stats = compression.take_step_stats()
         return stats
     finally:

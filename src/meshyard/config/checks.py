@@ -16,6 +16,8 @@ from meshyard.config.sections import (CheckpointConfig, CommConfig, Config, Data
 
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 """Signals a run may treat as preemption."""
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+"""Styles a ``parallel.tp_plan`` entry may name (``meshyard.parallel.tp_plans`` applies them)."""
 
 
 def field_problems(cfg: Config) -> list[str]:
@@ -106,9 +108,14 @@ def _parallel_problems(p: ParallelConfig) -> list[str]:
     prefetch = [(getattr(p, key) >= 0,
                  f"parallel.{key} = {getattr(p, key)} must not be negative (0 keeps FSDP2's default)")
                 for key in ("forward_prefetch", "backward_prefetch")]
+    styles = ", ".join(f"'{s}'" for s in TP_STYLES)
+    plan = [(isinstance(style, str) and style in TP_STYLES, f"parallel.tp_plan: '{pattern}' = {style!r} is not one "
+             f"of {styles}") for pattern, style in p.tp_plan.items()]
     return _failed([
-        *derived, *at_least_one, *prefetch,
+        *derived, *at_least_one, *prefetch, *plan,
         (p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must not be negative (0 uses parallel.pp)"),
+        (all(isinstance(n, str) and n.strip() for n in p.fsdp_units),
+         f"parallel.fsdp_units = {p.fsdp_units} must list module class names, e.g. [\"Block\"] (empty finds them)"),
         # DDP turns the size into a byte count held in 64 bits; no bucket needs more than 1 TiB.
         (0 < p.bucket_mb <= 2 ** 20,
          f"parallel.bucket_mb = {p.bucket_mb} must be positive and at most 1048576 (1 TiB)"),

@@ -124,10 +124,18 @@ class ParallelConfig:
     )
     tp: int = option(1, "Tensor-parallel degree: attention heads and MLP split Megatron-style over this many ranks.")
     sequence_parallel: bool = option(
-        True, "tp: also split norms and dropout along the sequence (less activation memory, same result)."
+        True, "tp: also split norms and dropout along the sequence (less activation memory, same result); "
+        "meshyard's GPT only, other models run without it."
     )
     loss_parallel: bool = option(
         True, "tp: compute the loss on vocabulary-sharded logits instead of gathering them (not under pp)."
+    )
+    tp_plan: dict = option(
+        {}, "tp: how to split a model without a plan of its own (a tensor_parallel_plan(tp_mesh) method; "
+        "meshyard's GPT has one): module-name patterns "
+        "(globs over qualified names, e.g. 'transformer.h.*.attn.c_attn'; a module takes the first it matches) "
+        "mapped to 'colwise', 'rowwise', 'sequence_parallel' (runs as 'replicate') or 'replicate'; unnamed modules "
+        "are replicated. Empty uses the built-in plans (GPT-2-style and Llama-style modules, found by name).",
     )
     pp: int = option(1, "Pipeline-parallel degree: the model is cut into this many stages, one group of ranks each.")
     microbatches: int = option(
@@ -146,6 +154,10 @@ class ParallelConfig:
         "none", "Activation checkpointing: 'none', 'full' (every block) or 'selective' (every ac_every-th block)."
     )
     ac_every: int = option(2, "ac = 'selective': recompute every this many blocks in backward instead of storing.")
+    fsdp_units: list = option(
+        [], "Class names of the modules to shard (fsdp) and checkpoint (ac) one by one, e.g. [\"Block\"]; "
+        "empty finds the repeated block class (the most parameters among classes occurring more than once)."
+    )
 
 
 @dataclass

@@ -4,19 +4,31 @@ Using the agent (``torch.distributed.launcher.api``, the engine behind torchrun)
 than plain ``multiprocessing`` gives rendezvous, failure detection, worker restarts
 (``fault.max_restarts``) and signal forwarding for free. The rendezvous store listens on
 127.0.0.1 only (``meshyard.launch.rendezvous``).
+
+The agent reports a failed worker in its own way: a multi-line log record per failure,
+each line prefixed (``E1123 ... api.py:836] ...``), holding the worker's traceback.
+meshyard tells a failure in one paragraph (``meshyard.fault.failure``) and keeps the
+traceback in the rank's log, so the agent's records are kept off the console here and
+in the workers (``quiet_agent_logs``); a launch with a run directory keeps them in
+``logs/agent.log``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import sys
 import uuid
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from meshyard.fault.failure import RankFailed, WorkerFailure, exit_description, first_failure, first_line
 from meshyard.launch.rendezvous import BACKEND, LOOPBACK, register_backend
 
 # Signals on which the agent stops its workers whatever the config says (torch's own
@@ -24,6 +36,9 @@ from meshyard.launch.rendezvous import BACKEND, LOOPBACK, register_backend
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # Before torch 2.12 the agent's wait between passing a signal on and SIGKILL is fixed.
 FIXED_SHUTDOWN_TIMEOUT_S = 30
+# The loggers of the elastic agent, the launcher API and torch.multiprocessing's spawn
+# ("Terminating process ... via signal SIGTERM" when one worker took the others down).
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
 class LauncherStopped(RuntimeError):
@@ -34,12 +49,54 @@ class LauncherStopped(RuntimeError):
         self.signal_number = signal_number
 
 
-class WorkerFailure(RuntimeError):
-    """A worker exited with an error; the message names the rank and the cause."""
+def _is_agent_record(record: logging.LogRecord) -> bool:
+    return any(record.name == name or record.name.startswith(name + ".") for name in AGENT_LOGGERS)
 
-    def __init__(self, message: str, exit_codes: list[int]) -> None:
-        super().__init__(message)
-        self.exit_codes = exit_codes
+
+@contextmanager
+def quiet_agent_logs(log_file: Path | None = None) -> Iterator[None]:
+    """Keep the agent's log records off the console while the block runs (into
+    ``log_file`` when given); every other record is shown as before.
+
+    The agent's loggers each set their own level, and their records reach the console
+    through handlers of ``torch.distributed`` and ``torch`` (which propagate no further),
+    so a filter goes on each handler those records pass, whatever logger created later.
+    """
+    handlers = {handler for name in AGENT_LOGGERS for handler in _handlers_reached(logging.getLogger(name))}
+    for handler in handlers:
+        handler.addFilter(_keep_off_console)
+    kept = None
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        kept = logging.FileHandler(log_file, delay=True)  # no empty file when the agent says nothing
+        kept.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        for name in AGENT_LOGGERS:
+            logging.getLogger(name).addHandler(kept)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(_keep_off_console)
+        if kept is not None:
+            for name in AGENT_LOGGERS:
+                logging.getLogger(name).removeHandler(kept)
+            kept.close()
+
+
+def _keep_off_console(record: logging.LogRecord) -> bool:
+    return not _is_agent_record(record)
+
+
+def _handlers_reached(logger: logging.Logger | None) -> list[logging.Handler]:
+    """The handlers a record of ``logger`` passes through: its own and its parents' up
+    to the first that does not propagate (Python's last-resort handler aside)."""
+    found: list[logging.Handler] = []
+    while logger is not None:
+        found.extend(logger.handlers)
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return found
 
 
 def launch_config(nproc: int, max_restarts: int = 0, grace_period_s: float = 30.0,
@@ -72,22 +129,41 @@ def launch_config(nproc: int, max_restarts: int = 0, grace_period_s: float = 30.
 
 
 def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 0,
-                 grace_period_s: float = 30.0, signals: Sequence[str] = ()) -> dict[int, Any]:
+                 grace_period_s: float = 30.0, signals: Sequence[str] = (),
+                 run_dir: Path | None = None) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nproc`` local processes; returns each rank's return value.
 
     When this process is told to stop (SIGTERM, SIGINT, or any of ``signals``), the agent
     passes the signal on to the workers, gives them ``grace_period_s`` to save, kills
-    those still running, and ``LauncherStopped`` is raised.
+    those still running, and ``LauncherStopped`` is raised. A failed worker raises
+    ``WorkerFailure`` telling the first failure in one paragraph (``run_dir``: where
+    the workers record their failures, and ``logs/agent.log`` goes).
     """
     config = launch_config(nproc, max_restarts, grace_period_s, signals)
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        with quiet_agent_logs(run_dir / "logs" / "agent.log" if run_dir is not None else None):
+            return elastic_launch(config, entrypoint)(*args)
     except SignalException as exc:
         raise LauncherStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", str(message))
         codes = [f.exitcode for f in exc.failures.values()]
-        raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}", codes) from None
+        raise WorkerFailure(_failure_paragraph(exc, run_dir, config), codes) from None
+
+
+def _failure_paragraph(exc: ChildFailedError, run_dir: Path | None, config: LaunchConfig) -> str:
+    """The first failure: the earliest one recorded by a rank that raised in the last
+    attempt (another rank may have been noticed first, failing after it: a collective
+    with a dead peer), else how the first rank the agent noticed ended. The agent gives
+    up only once its restarts are spent, so the last attempt is restart ``max_restarts``."""
+    rank, failure = exc.get_first_failure()
+    recorded = first_failure(run_dir, config.run_id, config.max_restarts) if run_dir is not None else None
+    if recorded is not None:
+        return recorded
+    if not os.path.isfile(failure.error_file):  # it did not raise: killed, or exited on purpose
+        return exit_description(rank, failure.exitcode, run_dir)
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    # The agent's copy is "Type: message"; a worker's own paragraph came as a RankFailed.
+    prefix = f"{RankFailed.__name__}: "
+    return message[len(prefix):] if message.startswith(prefix) else f"rank {rank} failed: {first_line(message)}"

@@ -55,7 +55,9 @@ class ProgressDisplay:
             )
 
     def note(self, text: str) -> None:
-        (self._progress.console if self._progress else self.console).print(text, highlight=False, soft_wrap=True)
+        # Notes quote paths, configs and exception messages, whose brackets are not markup.
+        (self._progress.console if self._progress else self.console).print(text, highlight=False, soft_wrap=True,
+                                                                             markup=False)
 
     def stop(self) -> None:
         if self._progress is not None:

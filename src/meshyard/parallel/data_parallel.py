@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from meshyard.parallel.units import describe_units, find_blocks
 
 
 def apply_ddp(
@@ -34,16 +38,6 @@ def apply_ddp(
     )
 
 
-def _shardable_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: children of the first ``nn.ModuleList``
-    (or ``nn.ModuleDict``)."""
-    for module in model.modules():
-        # A pipeline stage keeps its blocks in a ModuleDict under their global indices.
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
-            return list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
-    return []
-
-
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -52,6 +46,8 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
+    unit_names: Sequence[str] = (),
+    log: Callable[[str], None] | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each block is its own unit, then the root holds the rest.
 
@@ -60,9 +56,14 @@ def apply_fsdp(
     the default frees them after forward and gathers again in backward (ZeRO-3).
     ``forward_prefetch`` / ``backward_prefetch`` = N > 0 issue the all-gathers of the
     next N blocks early (more overlap, N blocks' more memory); 0 keeps FSDP2's default.
+    The blocks are the modules of the classes in ``unit_names``, or of the repeated block
+    class (``meshyard.parallel.units``); a model without any is one unit, the root.
+    ``log`` receives one line saying which units were made.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = _shardable_blocks(model)
+    blocks = find_blocks(model, unit_names)
+    if log is not None:
+        log(describe_units(model, blocks))
     for index, block in enumerate(blocks):
         # The last block's parameters are needed at once by backward, so freeing them
         # after forward would only cost an extra all-gather.

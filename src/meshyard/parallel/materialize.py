@@ -60,6 +60,8 @@ def materialize(model: nn.Module, record: InitRecord) -> None:
     for root in roots:
         # On the FSDP root too, so that FSDP re-reads its shards' new storage.
         root.to_empty(device=record.device)
+    if isinstance(holder, PipelinedModel):
+        holder.gather()  # tensors a stage root holds itself were replaced
     _retie(holder, tied)
     filled: set[int] = set()
     with torch.no_grad():

@@ -16,6 +16,7 @@ from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.pipeline import split_model
 from meshyard.parallel.tensor_parallel import apply_tp
+from meshyard.parallel.units import block_class_names
 
 
 class Parallelized(NamedTuple):
@@ -41,6 +42,8 @@ def parallelize(
     reduce_fp32: bool = True,
     comm: CommConfig | None = None,
     hook_wrapper: Callable[[Callable], Callable] | None = None,
+    log: Callable[[str], None] | None = None,
+    example_tokens: torch.Tensor | None = None,
 ) -> Parallelized:
     """Apply ``layout`` to ``model`` (already on its device, or on the meta device).
 
@@ -52,34 +55,43 @@ def parallelize(
     2-D FSDP x TP); the gradient-compression hook goes on the DDP module last. Returns
     the module to train (``unwrap`` recovers the plain module from it; under pipelining a
     ``PipelinedModel`` holding this rank's stages), the compression state and the layout.
+    ``log`` receives a line per model or stage saying which FSDP units it was cut into.
+    ``example_tokens``: token ids shaped as one pipeline micro-batch, on which a model
+    other than meshyard's GPT is traced to cut it into stages (``pipeline.split_model``).
     """
     comm = comm or CommConfig()
+    # Resolved on the whole model: a pipeline stage may hold one block, so none repeated.
+    units = block_class_names(model, layout.cfg.fsdp_units)
     if layout.pipelined:
         cfg = layout.cfg
         pipelined = split_model(model, layout.dims.pp, mesh["pp"].get_local_rank(), cfg.pp_virtual_stages,
-                                cfg.pp_split)
+                                cfg.pp_split, units, example_tokens, torch.device(mesh.device_type))
         stage_layout = layout.stage_layout()
         pipelined.wrap_stages(lambda stage: _parallelize_whole(stage, stage_layout, mesh, compute_dtype,
-                                                               reduce_fp32))
+                                                               reduce_fp32, units, log))
         return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper), layout)
-    model = _parallelize_whole(model, layout, mesh, compute_dtype, reduce_fp32)
+    model = _parallelize_whole(model, layout, mesh, compute_dtype, reduce_fp32, units, log)
     return Parallelized(model, attach_compression(model, comm, hook_wrapper), layout)
 
 
 def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compute_dtype: torch.dtype,
-                       reduce_fp32: bool) -> nn.Module:
-    """TP, activation checkpointing, then FSDP or DDP, on a model without pipeline stages."""
+                       reduce_fp32: bool, units: tuple[str, ...] = (),
+                       log: Callable[[str], None] | None = None) -> nn.Module:
+    """TP, activation checkpointing, then FSDP or DDP, on a model without pipeline stages;
+    ``units`` are the classes of the blocks checkpointed and sharded one by one."""
     cfg, dims = layout.effective_cfg, layout.dims
     if dims.tp > 1:
-        model = apply_tp(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=layout.loss_parallel)
-    model = apply_ac(model, cfg.ac, cfg.ac_every)
+        model = apply_tp(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=layout.loss_parallel,
+                         plan=cfg.tp_plan, log=log)
+    model = apply_ac(model, cfg.ac, cfg.ac_every, units)
     if layout.data_parallel == "fsdp":
         # HSDP: replicate over dp_replicate and shard over dp_shard in one 2-D mesh.
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         low_precision = compute_dtype if compute_dtype != torch.float32 else None
         reduce_dtype = torch.float32 if (low_precision and reduce_fp32) else None
         return apply_fsdp(model, dp_mesh, cfg.reshard_after_forward, low_precision, reduce_dtype,
-                          forward_prefetch=cfg.forward_prefetch, backward_prefetch=cfg.backward_prefetch)
+                          forward_prefetch=cfg.forward_prefetch, backward_prefetch=cfg.backward_prefetch,
+                          unit_names=units, log=log)
     if layout.data_parallel == "ddp":
         return apply_ddp(model, mesh["dp_replicate"], cfg.bucket_mb,
                          gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph)

@@ -1,10 +1,18 @@
-"""Pipeline parallelism: cut a GPT into stages that keep the full model's parameter names.
+"""Pipeline parallelism: cut a model into stages that keep the full model's parameter names.
 
-Stage ``s`` of ``S`` holds consecutive transformer blocks (balanced by count, or as given
-by ``parallel.pp_split``), plus the embeddings on the first stage and the final norm and
-head on the last. Blocks keep their global index (``blocks.5`` stays ``blocks.5``, held
-in an ``nn.ModuleDict``), so a checkpoint written under pipelining loads under any other
-layout and back.
+Stage ``s`` of ``S`` holds consecutive repeated blocks (balanced by count, or as given by
+``parallel.pp_split``), plus what runs before the first block on the first stage
+(embeddings) and what runs after the last block on the last (final norm, head). Two ways
+to cut, chosen by the model:
+
+- meshyard's GPT (``tok_emb``, ``pos_emb``, ``blocks``, ``ln_f``, ``lm_head``) is cut by
+  hand into ``GPTStage`` modules, which also take tensor parallelism;
+- any other model is traced whole and cut before its blocks (``pipeline_trace``), so its
+  own forward is kept; the blocks are the units FSDP shards (``units.find_blocks``).
+
+Either way parameters keep their names (``blocks.5`` stays ``blocks.5``;
+``transformer.h.5`` stays ``transformer.h.5``), so a checkpoint written under pipelining
+loads under any other layout and back.
 
 Rank ``r`` of the ``pp`` group holds stages ``r, r + pp, r + 2 pp, ...`` (one stage for
 GPipe and 1F1B; ``pp_virtual_stages`` for the interleaved schedules). Its stages are
@@ -12,20 +20,32 @@ gathered in one ``PipelinedModel`` whose own parameter names are those of the fu
 model; the trainer, optimizer and checkpoints see that container, while the pipeline
 schedule drives the stage modules (each parallelized on its own: TP, AC, FSDP/DDP).
 
-Tied embeddings (``lm_head.weight is tok_emb.weight``) live on two stages: the last
-stage gets its own copy, and ``sync_tied_grads`` sums the two copies' gradients over the
-pipeline group after backward, so both take identical optimizer steps and stay equal.
+A weight the first and the last stage share (a tied embedding and head) lives on both:
+each stage holds its own copy, and ``sync_tied_grads`` sums the two copies' gradients
+over the pipeline group after backward, so both take identical optimizer steps and stay
+equal. Other stages may not share weights (``pp_problems`` says so before a run starts).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._IR import PipeInfo
+from torch.distributed.pipelining.stage import _PipelineStageBase, build_stage
 from torch.distributed.tensor import DTensor
+
+from meshyard.config.sections import ParallelConfig
+from meshyard.parallel.data_parallel import unwrap
+from meshyard.parallel.pipeline_trace import PREFIX, PipelineTraceError, trace_stages
+from meshyard.parallel.units import find_blocks
+
+_GPT_PARTS = ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head")
 
 
 class PipelineSplitError(ValueError):
@@ -75,24 +95,65 @@ class GPTStage(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class StageTies:
+    """Weights the model shares between stages (a tied embedding and head), as this rank
+    holds them: ``names`` its copies, ``duplicates`` those whose gradient another stage
+    already counts in the global norm, ``anywhere`` whether any stage holds such a copy."""
+
+    names: tuple[str, ...] = ()
+    duplicates: tuple[str, ...] = ()
+    anywhere: bool = False
+
+
+def stage_ties(groups: list[set[str]], held: list[set[str]], own: Sequence[int]) -> StageTies:
+    """The ties ``groups`` (``tied_groups`` of the whole model) across stages holding the
+    parameter names ``held`` (all stages), for the rank holding stages ``own``. The
+    copy on the first stage that holds one counts in the norm."""
+    names: list[str] = []
+    duplicates: list[str] = []
+    anywhere = False
+    for group in groups:
+        stages = [index for index, names_of in enumerate(held) if names_of & group]
+        if len(stages) < 2:
+            continue
+        anywhere = True
+        for index in own:
+            mine = sorted(held[index] & group)
+            names += mine
+            duplicates += mine if index in stages[1:] else []
+    return StageTies(tuple(names), tuple(duplicates), anywhere)
+
+
+def tied_groups(model: nn.Module) -> list[set[str]]:
+    """Names that share one parameter (a tied embedding and head), one set per parameter."""
+    by_tensor: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), set()).add(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
 class PipelinedModel(nn.Module):
     """This rank's stages of a pipelined model, under the full model's parameter names.
 
     Never called itself: ``stages`` (index, module) are what the schedule runs; after
     they are parallelized, ``stages`` holds the wrapped modules (DDP/FSDP) to run, while
-    this container keeps the plain ones for the optimizer and checkpoints.
+    this container registers their plain submodules, found below each stage at ``root``
+    ('' for a GPT stage, the tracing wrapper's prefix for a traced one), under the full
+    model's names for the optimizer and checkpoints. A traced pipeline also carries the
+    pipeline graph (``pipe_info``) its torch stages are built from.
     """
 
-    def __init__(self, parts: list[tuple[int, GPTStage]], n_stages: int) -> None:
+    def __init__(self, parts: list[tuple[int, nn.Module]], n_stages: int, root: str = "",
+                 ties: StageTies | None = None, pipe_info: PipeInfo | None = None) -> None:
         super().__init__()
         self.n_stages = n_stages
-        for _, part in parts:
-            for name in ("tok_emb", "pos_emb", "drop", "ln_f", "lm_head"):
-                if getattr(part, name) is not None:
-                    setattr(self, name, getattr(part, name))
-        self.blocks = nn.ModuleDict({k: v for _, part in parts for k, v in part.blocks.items()})
         self.stages: list[tuple[int, nn.Module]] = list(parts)  # plain list: not registered twice
-        self._tied_first = self._tied_last = self._tied_any = False
+        self._plain = [module for _, module in parts]
+        self._root = root
+        self._ties = ties or StageTies()
+        self._pipe_info = pipe_info
+        self.gather()
 
     @property
     def has_first(self) -> bool:
@@ -102,52 +163,171 @@ class PipelinedModel(nn.Module):
     def has_last(self) -> bool:
         return any(index == self.n_stages - 1 for index, _ in self.stages)
 
+    def gather(self) -> None:
+        """Register the stages' submodules under the full model's names. Called again after
+        parallelizing or materializing, which may replace tensors the root holds itself."""
+        self._modules.clear()
+        self._parameters.clear()
+        self._buffers.clear()
+        self._non_persistent_buffers_set.clear()
+        _graft(self, [unwrap(module).get_submodule(self._root) for module in self._plain])
+
     def wrap_stages(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         """Parallelize each stage module in place (``wrap`` may return a wrapper such as DDP)."""
         self.stages = [(index, wrap(module)) for index, module in self.stages]
+        self.gather()
+
+    def pipeline_stage(self, index: int, module: nn.Module, device: torch.device,
+                       group: dist.ProcessGroup) -> _PipelineStageBase:
+        """The torch pipeline stage that runs ``module`` as stage ``index``: a traced stage
+        learns from the pipeline graph which stages it receives from and sends to."""
+        if self._pipe_info is None:
+            return PipelineStage(module, index, self.n_stages, device, group=group)
+        return build_stage(module, index, self._pipe_info, device, group)
+
+    def train(self, mode: bool = True) -> "PipelinedModel":
+        super().train(mode)
+        for _, module in self.stages:
+            module.train(mode)  # the stage roots, which are not registered here
+        return self
 
     def forward(self, *args: object) -> torch.Tensor:
         raise RuntimeError("a PipelinedModel is run through its pipeline schedule, not called")
 
     def tied_parameters(self) -> list[nn.Parameter]:
-        """This rank's copies of the tied embedding/head weight (empty when untied).
+        """This rank's copies of weights shared between stages (empty when untied).
         Looked up by name: data parallelism may have replaced the parameter objects."""
-        names = [n for n, flag in (("tok_emb", self._tied_first), ("lm_head", self._tied_last)) if flag]
-        return [getattr(self, name).weight for name in names]
+        return [self.get_parameter(name) for name in self._ties.names]
 
     def norm_duplicates(self) -> list[nn.Parameter]:
         """Parameters whose gradient is counted elsewhere in the global norm (the head copy)."""
-        return [self.lm_head.weight] if self._tied_last else []
+        return [self.get_parameter(name) for name in self._ties.duplicates]
 
     @property
     def tied(self) -> bool:
-        """Whether the full model ties its embedding and head (on any of the pipeline ranks)."""
-        return self._tied_any
+        """Whether the full model shares a weight between stages (on any of the pipeline ranks)."""
+        return self._ties.anywhere
 
 
-def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1,
-                split: list[int] | None = None) -> PipelinedModel:
-    """Keep only rank ``pp_rank``'s stages of ``model`` (a GPT with ``tok_emb``, ``blocks``,
-    ``ln_f``, ``lm_head``); the other blocks are dropped, their memory freed."""
-    for name in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head"):
-        if not hasattr(model, name):
-            raise PipelineSplitError(f"parallel.pp > 1 needs a GPT-like model with tok_emb, pos_emb, blocks, ln_f "
-                                     f"and lm_head; {type(model).__name__} has no '{name}'")
+def _graft(target: nn.Module, sources: list[nn.Module]) -> None:
+    """Register the tensors and children of ``sources`` on ``target``. A child name held by
+    one source registers that very module (its hooks and wrappers stay); one held by
+    several (``blocks`` of two stages on one rank) gets a new container holding theirs."""
+    children: dict[str, list[nn.Module]] = {}
+    for source in sources:
+        for name, param in source._parameters.items():
+            if param is not None:
+                target.register_parameter(name, param)
+        for name, buffer in source._buffers.items():
+            if buffer is not None:
+                target.register_buffer(name, buffer, persistent=name not in source._non_persistent_buffers_set)
+        for name, child in source._modules.items():
+            if child is not None:
+                children.setdefault(name, []).append(child)
+    for name, group in children.items():
+        if len(group) == 1:
+            target.add_module(name, group[0])
+        else:
+            container = nn.Module()
+            _graft(container, group)
+            target.add_module(name, container)
+
+
+def _cut_by_hand(model: nn.Module) -> bool:
+    """meshyard's GPT and models shaped like it: embeddings, ``blocks``, final norm, head."""
+    return all(hasattr(model, name) for name in _GPT_PARTS)
+
+
+def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1, split: list[int] | None = None,
+                unit_names: Sequence[str] = (), example_tokens: torch.Tensor | None = None,
+                device: torch.device | None = None) -> PipelinedModel:
+    """Keep only rank ``pp_rank``'s stages of ``model``; the other blocks are dropped, their
+    memory freed. A GPT is cut by hand; another model is traced on ``example_tokens``
+    (token ids shaped as one pipeline micro-batch) and cut before its blocks (the
+    modules of the classes ``unit_names``, else its repeated block class), its stages
+    made to run on ``device`` (default: that of ``example_tokens``)."""
     n_stages = pp * virtual_stages
+    own = [s for s in range(n_stages) if s % pp == pp_rank]
+    if _cut_by_hand(model):
+        return _split_gpt(model, n_stages, own, split)
+    if example_tokens is None:
+        raise PipelineSplitError(f"pipelining {type(model).__name__} traces its forward: pass example_tokens")
+    cut_before = stage_starts(model, n_stages, split, unit_names)
+    traced = trace_stages(model, cut_before, own, example_tokens, device or example_tokens.device)
+    return PipelinedModel([(s, traced.modules[s]) for s in own], n_stages, PREFIX,
+                          stage_ties(tied_groups(model), traced.held, own), traced.info)
+
+
+def example_micro_batch(micro_batch: int, microbatches: int, seq_len: int) -> torch.Tensor:
+    """Token ids shaped as one pipeline micro-batch (a train micro-batch cut ``microbatches``
+    ways): the shapes a traced model's stages are fixed to."""
+    return torch.zeros(max(1, micro_batch // microbatches), seq_len, dtype=torch.long)
+
+
+def stage_starts(model: nn.Module, n_stages: int, split: list[int] | None,
+                 unit_names: Sequence[str] = ()) -> list[str]:
+    """Qualified names of the first block of every stage after the first (where a traced
+    model is cut): blocks balanced by count, or as ``split`` says."""
+    names = {id(module): name for name, module in model.named_modules()}
+    blocks = [names[id(block)] for block in find_blocks(model, unit_names)]
+    if not blocks:
+        raise PipelineSplitError(
+            f"parallel.pp cuts a model before its repeated blocks, and {type(model).__name__} has none (no module "
+            "class that holds layers occurs more than once); name the class of its blocks with "
+            "parallel.fsdp_units = [\"ClassName\"], or train it without pipeline parallelism")
+    sizes = stage_sizes(len(blocks), n_stages, split)
+    return [blocks[sum(sizes[:s])] for s in range(1, n_stages)]
+
+
+def _split_gpt(model: nn.Module, n_stages: int, own: list[int], split: list[int] | None) -> PipelinedModel:
+    """GPT stages by hand. Tied embeddings get separate copies on the first and the last
+    stage, kept equal by ``sync_tied_grads``."""
     sizes = stage_sizes(len(model.blocks), n_stages, split)
     starts = [sum(sizes[:s]) for s in range(n_stages)]
-    tied = model.lm_head.weight is model.tok_emb.weight
-    if tied:
-        # Separate copies on the first and last stage; kept equal by sync_tied_grads.
+    groups = tied_groups(model)
+    if model.lm_head.weight is model.tok_emb.weight:
         model.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
-    own = [s for s in range(n_stages) if s % pp == pp_rank]
-    parts = [(s, GPTStage(model, list(range(starts[s], starts[s] + sizes[s])), s == 0, s == n_stages - 1))
-             for s in own]
-    pipelined = PipelinedModel(parts, n_stages)
-    if tied:
-        pipelined._tied_any = True
-        pipelined._tied_first, pipelined._tied_last = pipelined.has_first, pipelined.has_last
-    return pipelined
+    parts = [GPTStage(model, list(range(starts[s], starts[s] + sizes[s])), s == 0, s == n_stages - 1)
+             for s in range(n_stages)]  # light: they hold the model's modules, nothing copied
+    held = [{name for name, _ in part.named_parameters()} for part in parts]
+    return PipelinedModel([(s, parts[s]) for s in own], n_stages, "", stage_ties(groups, held, own))
+
+
+def pp_problems(model: nn.Module, cfg: ParallelConfig, pp: int, example_tokens: torch.Tensor) -> list[str]:
+    """Why ``model`` (built on the meta device or anywhere) cannot be cut into ``pp`` x
+    ``cfg.pp_virtual_stages`` stages: one line per problem naming the fix, [] when it can.
+    A model that is traced is traced here once, on ``example_tokens`` (token ids, ideally
+    shaped as one pipeline micro-batch), exactly as each rank will."""
+    n_stages = pp * max(1, cfg.pp_virtual_stages)
+    if _cut_by_hand(model):
+        try:
+            stage_sizes(len(model.blocks), n_stages, cfg.pp_split)
+        except PipelineSplitError as problem:
+            return [str(problem)]
+        return []
+    try:
+        cut_before = stage_starts(model, n_stages, cfg.pp_split, cfg.fsdp_units)
+        traced = trace_stages(model, cut_before, (), example_tokens, example_tokens.device)
+    except (PipelineSplitError, PipelineTraceError) as problem:
+        return [str(problem)]
+    problems = []
+    if cfg.tp > 1:
+        problems.append(f"parallel.tp = {cfg.tp} with parallel.pp = {pp}: tensor parallelism inside pipeline stages "
+                        f"needs meshyard's GPT; {type(model).__name__}'s stages are traced, with head counts fixed in "
+                        "the graph. Use tp or pp for this model, not both")
+    for group in tied_groups(model):
+        stages = [index for index, names in enumerate(traced.held) if names & group]
+        if len(stages) > 1 and set(stages) != {0, n_stages - 1}:
+            problems.append(f"parallel.pp: {type(model).__name__} shares one weight ({', '.join(sorted(group))}) "
+                            f"between pipeline stages {stages}; only the first and the last stage may share one "
+                            "(a tied embedding and head). Change parallel.pp_split so that its users share a "
+                            "stage, or train it without pipeline parallelism")
+    own_names = {*dir(PipelinedModel), "n_stages", "stages"}
+    clashes = sorted({name.split(".")[0] for names in traced.held for name in names} & own_names)
+    if clashes:
+        problems.append(f"parallel.pp: {type(model).__name__} has parts named {clashes}, names the pipeline's "
+                        "container uses itself; rename them, or train it without pipeline parallelism")
+    return problems
 
 
 def tied_weight_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
@@ -166,7 +346,7 @@ def tied_weight_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 
 
 def sync_tied_grads(model: PipelinedModel, group: dist.ProcessGroup | None) -> None:
-    """Sum the gradients of the tied weight's two copies (first and last stage), so both
+    """Sum the gradients of the tied weight's copies (first and last stage), so all
     apply the same update. Sharded copies (TP, FSDP) hold matching shards on both ranks."""
     copies = [p for p in model.tied_parameters() if p.grad is not None]
     if not copies or group is None:

@@ -46,7 +46,7 @@ from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.materialize import build_model_deferred, materialize
 from meshyard.parallel.parallelize import Parallelized, parallelize
-from meshyard.parallel.pipeline import tied_weight_group
+from meshyard.parallel.pipeline import example_micro_batch, tied_weight_group
 from meshyard.run_dir import run_id_of
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
@@ -157,7 +157,9 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
     n_params = sum(p.numel() for p in model.parameters())  # meta parameters count too
     timer = observers.timer
     parallelized = parallelize(model, layout, placement.mesh, dtype, cfg.precision.reduce_fp32, cfg.comm,
-                               hook_wrapper=timer.comm.wrap if timer.comm else None)
+                               hook_wrapper=timer.comm.wrap if timer.comm else None, log=observers.logger.info,
+                               example_tokens=example_micro_batch(placement.batch.micro_batch, layout.microbatches,
+                                                                  cfg.data.seq_len))
     model_init = "meta" if init_record is not None else "device"
     if init_record is not None:
         materialize(parallelized.model, init_record)  # this rank's shards and stages, valued as in a full build

@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads
 from meshyard.train.precision import Precision
@@ -71,7 +72,7 @@ class StageClock:
         """CUDA events for stages on a GPU, wall-clock time otherwise."""
         return cls(device.type == "cuda")
 
-    def wrap(self, stage: PipelineStage) -> None:
+    def wrap(self, stage: _PipelineStageBase) -> None:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage, name, self._timed(getattr(stage, name)))
 
@@ -128,7 +129,7 @@ class PipelineStep:
         self.clock = StageClock.for_device(device)
         stages = []
         for index, module in model.stages:
-            stage = PipelineStage(module, index, model.n_stages, device, group=pp_group)
+            stage = model.pipeline_stage(index, module, device, pp_group)
             self.clock.wrap(stage)
             stages.append(stage)
         self._loss_factor: torch.Tensor | float = 1.0

@@ -30,6 +30,30 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def logits_of(output: object) -> torch.Tensor:
+    """The logits in what a model's forward returned: a tensor as is, the ``logits`` of a
+    Hugging Face ``ModelOutput`` or of a dict. Anything else is a TypeError that names
+    what came back, since the loss cannot guess which part of it to train on."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):  # a ModelOutput is a dict too; both paths find it
+        return logits
+    raise TypeError(
+        f"the model's forward returned {_describe(output)}, which holds no logits tensor; meshyard trains "
+        "on next-token logits: return a (batch, sequence, vocabulary) tensor, or an object or dict with "
+        "a 'logits' tensor (as Hugging Face models do)")
+
+
+def _describe(output: object) -> str:
+    """A short name for what a forward returned, for the error above."""
+    if isinstance(output, dict):
+        return f"a {type(output).__name__} with keys {sorted(map(str, output))}"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {len(output)} items"
+    return f"a value of type {type(output).__name__}"
+
+
 def _local(value: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallelism is a replicated DTensor; its plain value."""
     return value.full_tensor() if isinstance(value, DTensor) else value
@@ -94,7 +118,7 @@ class MicroBatchStep:
             # accumulate locally, which is what makes accumulation cheap.
             set_gradient_sync(self.model, index == accum - 1)
             with self.timer.phase("forward"), self.precision.autocast(), self.loss_context():
-                loss = next_token_loss(self.model(inputs), targets)
+                loss = next_token_loss(logits_of(self.model(inputs)), targets)
             with self.timer.backward(), self.loss_context():
                 self.precision.scaler.scale(loss / accum).backward()
             loss_sum += _local(loss.detach())
@@ -102,7 +126,7 @@ class MicroBatchStep:
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast(), self.loss_context():
-            return _local(next_token_loss(self.model(inputs), targets))
+            return _local(next_token_loss(logits_of(self.model(inputs)), targets))
 
     def take_step_stats(self) -> dict[str, float]:
         return {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from meshyard.launch.local import WorkerFailure
 from meshyard.validate import load_and_validate
 from meshyard.verify.compare import verify_layout
 
@@ -33,6 +34,11 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"--run.nproc={args.nproc}"]
     config, _ = load_and_validate(args.config, overrides)
     print(f"meshyard verify: {args.steps} steps on 1 process, then on {config.run.nproc} ranks ...", flush=True)
-    report = verify_layout(config, config.run.nproc, args.steps, args.workdir)
+    try:
+        report = verify_layout(config, config.run.nproc, args.steps, args.workdir)
+    except WorkerFailure:
+        # The verdict on stdout with the table's; the failure's own paragraph goes to stderr.
+        print("FAIL: a run did not finish, so there is nothing to compare; its error follows", flush=True)
+        raise
     print(report.format(), flush=True)
     return EXIT_PASS if report.passed else EXIT_FAIL

@@ -141,8 +141,8 @@ def compare_runs(single_dir: Path, layout_dir: Path, report: VerifyReport) -> Ve
     report.missing += sorted(set(reference) ^ set(trained))
     for name in sorted(set(reference) & set(trained)):
         diff = (trained[name].float() - reference[name].float()).abs().max().item() if reference[name].numel() else 0.0
-        if diff > report.max_param_diff or not report.worst_param:
-            report.max_param_diff, report.worst_param = max(diff, report.max_param_diff), name
+        if diff > report.max_param_diff:  # named only when some parameter differs at all
+            report.max_param_diff, report.worst_param = diff, name
     return report
 
 

@@ -1,0 +1,180 @@
+"""A failed rank, told in one paragraph; its full traceback goes to the rank's log.
+
+What the console shows of a failure, whichever way the rank was started (a local
+worker, the launching process itself, a rank under torchrun, Slurm or Kubeflow)::
+
+    rank 1 failed: ValueError: heads do not divide (at model.py:42 in forward); full traceback in <run>/logs/rank1.log
+
+The place named is the innermost frame of the user's code or meshyard's: torch's and
+Python's own frames say where an error surfaced, rarely what to change. The message is
+cut to its first line: some exceptions carry a whole module's repr.
+
+Several ranks of a job often fail together, and only one of them for the real reason:
+the others lose a peer in a collective and fail after it. Each failing rank therefore
+also writes a small record (``logs/failures/restart<N>-rank<R>.json``) with the time
+it failed, and the launcher reports the earliest of the last attempt (``first_failure``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import sysconfig
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from meshyard.fault.watchdog import EXIT_HUNG
+
+FIRST_LINE_CHARS = 240
+# Exit codes meshyard's own code gives a rank on purpose, and what each means.
+EXIT_MEANINGS = {EXIT_HUNG: "stopped by the hang watchdog, which says why in the rank's log"}
+
+
+class WorkerFailure(RuntimeError):
+    """A worker exited with an error; the message names the rank and the cause."""
+
+    def __init__(self, message: str, exit_codes: list[int]) -> None:
+        super().__init__(message)
+        self.exit_codes = exit_codes
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its own arguments (across processes)
+        return type(self), (str(self), self.exit_codes)
+
+
+class RankFailed(WorkerFailure):
+    """This rank raised an exception: ``str`` is the paragraph the console shows, the
+    exception itself is the ``__cause__``, and ``log`` holds the full traceback."""
+
+    def __init__(self, rank: int, summary: str, log: Path | None) -> None:
+        super().__init__(summary, [1])
+        self.rank, self.log = rank, log
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.rank, str(self), self.log)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are never the place to name: Python's and torch's."""
+    paths = sysconfig.get_paths()
+    folders = {paths["stdlib"], paths["platstdlib"]}
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        folders.add(str(Path(torch.__file__).parent))
+    return tuple(folder.rstrip("/") + "/" for folder in folders)
+
+
+def failure_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc``'s traceback in code of the user's or meshyard's
+    (not Python's, not torch's, not generated code such as a traced graph's); the
+    innermost frame of all when there is none."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    library = _library_dirs()
+    for frame in reversed(frames):
+        if not frame.filename.startswith(library) and not frame.filename.startswith("<"):
+            return frame
+    return frames[-1] if frames else None
+
+
+def first_line(message: str, limit: int = FIRST_LINE_CHARS) -> str:
+    """The first non-empty line of ``message``, cut to ``limit`` characters; ' ...' marks
+    what was left out."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[0]
+    if len(line) > limit:
+        return line[:limit].rstrip() + " ..."
+    return line + (" ..." if len(lines) > 1 else "")
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message (at file.py:LINE in function)``."""
+    text = first_line(str(exc))
+    frame = failure_frame(exc)
+    where = f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})" if frame else ""
+    return f"{type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """Where a rank logs (``metrics.records.rank_logger`` writes the same file)."""
+    return run_dir / "logs" / f"rank{rank}.log"
+
+
+def this_attempt() -> tuple[str, int]:
+    """This process's elastic job id and restart count (the local agent and torchrun set
+    both; a process started otherwise is attempt ("", 0))."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", ""), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def record_failure(exc: BaseException, rank: int, run_dir: Path | None) -> RankFailed:
+    """Write ``exc``'s full traceback to the rank's log and its failure record under
+    ``run_dir`` (when known), and return the ``RankFailed`` to raise in its place."""
+    log = rank_log(run_dir, rank) if run_dir is not None else None
+    summary = f"rank {rank} failed: {describe(exc)}"
+    if log is not None:
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            with log.open("a") as out:
+                out.write(f"{stamp} rank{rank} failed: {describe(exc)}\n{''.join(traceback.format_exception(exc))}")
+            job, restart = this_attempt()
+            record = {"rank": rank, "time": time.time(), "job": job, "restart": restart, "summary": summary,
+                      "type": type(exc).__name__, "log": str(log)}
+            _record_path(run_dir, restart, rank).parent.mkdir(exist_ok=True)
+            _record_path(run_dir, restart, rank).write_text(json.dumps(record))
+        except OSError:  # a full or read-only disk: the console still gets the paragraph
+            log = None
+    if log is None:
+        # Nowhere to keep the traceback: it goes to this rank's stderr instead of being lost.
+        traceback.print_exception(exc, file=sys.stderr)
+    return RankFailed(rank, _paragraph(summary, log), log)
+
+
+def _paragraph(summary: str, log: Path | str | None) -> str:
+    return summary + (f"; full traceback in {log}" if log else "")
+
+
+def _record_path(run_dir: Path, restart: int, rank: int) -> Path:
+    """One record per rank and attempt (a launch into the same run directory replaces
+    those of an earlier one, told apart by its job id)."""
+    return run_dir / "logs" / "failures" / f"restart{restart}-rank{rank}.json"
+
+
+def first_failure(run_dir: Path, job: str, restart: int) -> str | None:
+    """The paragraph of the earliest failure recorded under ``run_dir`` in attempt
+    ``restart`` of elastic job ``job``; None when no rank of it raised (they were
+    killed, or exited on purpose)."""
+    records = [record for path in (run_dir / "logs" / "failures").glob(f"restart{restart}-rank*.json")
+               if (record := _read_record(path)) is not None and record.get("job") == job]
+    if not records:
+        return None
+    earliest = min(records, key=lambda record: record["time"])
+    return _paragraph(earliest["summary"], earliest["log"])
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "time" in record else None
+
+
+def exit_description(rank: int, exit_code: int, run_dir: Path | None) -> str:
+    """A rank that ended without raising: killed by a signal, or exited with a code."""
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        what = f"rank {rank} was killed by {name}"
+    else:
+        what = f"rank {rank} exited with code {exit_code}"
+        meaning = EXIT_MEANINGS.get(exit_code)
+        what += f", {meaning}" if meaning else ""
+    log = rank_log(run_dir, rank) if run_dir is not None else None
+    return what + (f"; its log: {log}" if log is not None and log.exists() else "")

@@ -1,0 +1,203 @@
+"""Models meshyard has never seen train the same under every layout as on one process.
+
+The acceptance matrix: a nanoGPT-style model, a Hugging Face GPT-2 and a Hugging Face
+Llama (``tests/models/user_models.py``, tiny configs, fp32) under DDP, FSDP (ZeRO-3 and
+ZeRO-2), FSDP with full activation checkpointing, tp=2, pp=2 (2 ranks) and FSDP x TP
+(4 ranks); each cell's per-step losses must lie within 1e-5 (relative) of the same
+config on one process.
+
+Cheap by construction: one 2-rank spawn builds and fits a trainer for every 2-rank cell
+in sequence, one 4-rank spawn does the FSDP x TP cells, and the one-process baselines run
+in this process; each (model, layout) cell is then its own test reading those results.
+A cell that raises is recorded with its error (type, message, innermost frame) and the
+spawn goes on with the next cell; a spawn that hangs is ended by a deadline inside each
+rank, and the cells it had not finished are reported as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshyard.runtime.distributed import Runtime
+from meshyard.train.build import build_trainer
+from tests.conftest import tiny_config
+from tests.ranks import run_on_ranks
+
+USER_MODELS = Path(__file__).resolve().parents[1] / "models" / "user_models.py"
+MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
+STEPS = 3
+LOSS_REL = 1e-5
+SPAWN_DEADLINE_S = 600.0  # far above the measured time: only a hung collective reaches it
+
+TWO_RANK_LAYOUTS = {
+    "ddp": ("--parallel.strategy=ddp",),
+    "fsdp": ("--parallel.strategy=fsdp",),
+    "fsdp_zero2": ("--parallel.strategy=fsdp", "--parallel.reshard_after_forward=false"),
+    "fsdp_ac_full": ("--parallel.strategy=fsdp", "--parallel.ac=full"),
+    "tp2": ("--parallel.strategy=none", "--parallel.tp=2"),
+    "pp2": ("--parallel.strategy=none", "--parallel.pp=2"),
+}
+FOUR_RANK_LAYOUTS = {"fsdp_x_tp": ("--parallel.strategy=fsdp", "--parallel.tp=2")}
+ONE_PROCESS = ("--parallel.strategy=none",)
+
+
+def _overrides(model: str, layout: tuple[str, ...]) -> tuple[str, ...]:
+    return (f"--model.name={USER_MODELS}:{model}", f"--train.steps={STEPS}", "--precision.dtype=fp32", *layout)
+
+
+def _available(model: str) -> bool:
+    """Hugging Face cells need transformers (the test extra installs it)."""
+    if not model.startswith("hf_"):
+        return True
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cases(layouts: dict[str, tuple[str, ...]], session: pytest.Session) -> list[tuple[str, tuple[str, ...]]]:
+    """The cells of ``layouts`` that this session selected (``-k hf_llama`` spawns only those)."""
+    selected = {(item.callspec.params["model"], item.callspec.params["layout"]) for item in session.items
+                if hasattr(item, "callspec") and item.callspec.params.get("layout") in layouts}
+    return [(f"{model}-{name}", _overrides(model, overrides))
+            for model in MODELS if _available(model) for name, overrides in layouts.items()
+            if (model, name) in selected]
+
+
+def _describe_error(error: BaseException) -> str:
+    """Type, message, the innermost frame and the innermost one in meshyard: enough to
+    say which part failed where."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "/meshyard/" in f.filename or "/tests/" in f.filename]
+    shown = [frames[-1]] if not ours or ours[-1] is frames[-1] else [frames[-1], ours[-1]]
+    where = " called from ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in shown)
+    message = " ".join(str(error).split())[:600]
+    return f"{type(error).__name__}: {message} (at {where})"
+
+
+def _fit(cfg, runtime: Runtime, run_dir: Path) -> list[float]:
+    trainer = build_trainer(cfg, runtime, run_dir)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return list(trainer.progress.losses)
+
+
+def _run_case(rank: int, world_size: int, folder: Path, case: str, overrides: tuple[str, ...]) -> dict:
+    runtime = Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                      backend="gloo")
+    start = time.perf_counter()
+    try:
+        result = {"losses": _fit(tiny_config(folder / case, *overrides), runtime, folder / case / "run")}
+    except Exception as error:  # recorded per cell; the next cell still runs
+        result = {"error": _describe_error(error)}
+    result["seconds"] = time.perf_counter() - start
+    # Every rank learns every rank's outcome, so a cell that failed on one rank only fails
+    # on all, and the ranks start the next cell together.
+    outcomes: list[dict] = [{}] * world_size
+    dist.all_gather_object(outcomes, result)
+    failed: dict[str, list[str]] = {}
+    for index, outcome in enumerate(outcomes):
+        if "error" in outcome:
+            failed.setdefault(outcome["error"], []).append(str(index))
+    if not failed:
+        return outcomes[-1]  # the last rank holds the loss under pipelining too
+    return {"error": "; ".join(f"rank {', '.join(ranks)}: {error}" for error, ranks in failed.items()),
+            "seconds": result["seconds"]}
+
+
+def _fit_cases(rank: int, world_size: int, folder: str, cases: list[tuple[str, tuple[str, ...]]]) -> dict:
+    """Every case in turn on this rank; the results so far are written after each one,
+    and a deadline ends this rank (and so the spawn) should a collective hang."""
+    deadline = threading.Timer(SPAWN_DEADLINE_S, lambda: os._exit(3))
+    deadline.daemon = True
+    deadline.start()
+    results: dict[str, dict] = {}
+    for case, overrides in cases:
+        results[case] = _run_case(rank, world_size, Path(folder), case, overrides)
+        if rank == 0:
+            (Path(folder) / "results.json").write_text(json.dumps(results))
+    deadline.cancel()
+    return results
+
+
+def _spawn(cases: list[tuple[str, tuple[str, ...]]], world_size: int, folder: Path) -> dict:
+    start = time.perf_counter()
+    try:
+        results = run_on_ranks(_fit_cases, str(folder), cases, world_size=world_size)[0]
+    except Exception as error:  # a rank died or hung: keep the cells finished before
+        partial = folder / "results.json"
+        results = json.loads(partial.read_text()) if partial.exists() else {}
+        for case, _ in cases:
+            results.setdefault(case, {"error": f"not finished: the {world_size}-rank spawn ended with "
+                                               f"{type(error).__name__}: {error}"})
+    print(f"\n{world_size}-rank spawn: {len(cases)} cells in {time.perf_counter() - start:.1f}s: "
+          + ", ".join(f"{case} {cell.get('seconds', 0):.1f}s" for case, cell in results.items()))
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(request, tmp_path_factory) -> dict:
+    return _spawn(_cases(TWO_RANK_LAYOUTS, request.session), 2, tmp_path_factory.mktemp("two-ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(request, tmp_path_factory) -> dict:
+    return _spawn(_cases(FOUR_RANK_LAYOUTS, request.session), 4, tmp_path_factory.mktemp("four-ranks"))
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory) -> dict[str, list[float]]:
+    """Each model on one process (a 1-rank group in this process), same seed and batch."""
+    folder = tmp_path_factory.mktemp("one-process")
+    losses = {}
+    for model in filter(_available, MODELS):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+            losses[model] = _fit(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), runtime,
+                                 folder / model / "run")
+        finally:
+            dist.destroy_process_group()
+    return losses
+
+
+def _check_cell(model: str, layout: str, results: dict, baselines: dict[str, list[float]]) -> None:
+    if not _available(model):
+        pytest.skip("needs transformers (pip install 'meshyard[hf]')")
+    cell = results[f"{model}-{layout}"]
+    if cell.get("error"):
+        pytest.fail(f"{model} under {layout}: {cell['error']}", pytrace=False)
+    expected, actual = baselines[model], cell["losses"]
+    assert len(actual) == len(expected) == STEPS
+    worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+    assert worst <= LOSS_REL, f"{model} under {layout}: losses {actual} vs one process {expected} (rel {worst:.1e})"
+
+
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
+@pytest.mark.parametrize("model", MODELS)
+def test_two_rank_layout_matches_one_process(model, layout, two_rank_results, baselines):
+    _check_cell(model, layout, two_rank_results, baselines)
+
+
+@pytest.mark.parametrize("layout", FOUR_RANK_LAYOUTS)
+@pytest.mark.parametrize("model", MODELS)
+def test_four_rank_layout_matches_one_process(model, layout, four_rank_results, baselines):
+    _check_cell(model, layout, four_rank_results, baselines)
+
+
+def test_the_one_process_baselines_learn(baselines):
+    """The reference itself trains (a broken baseline would make every cell meaningless)."""
+    for model, losses in baselines.items():
+        assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), model
