@@ -135,7 +135,7 @@ def hf_llama(vocab_size: int, context_length: int, n_layer: int = 4) -> nn.Modul
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context_length,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
+                         bos_token_id=0, eos_token_id=0, use_cache=False,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
 

@@ -1,4 +1,4 @@
-"""Pipeline stages: balanced splits, full-model parameter names, the theoretical bubble."""
+"""Pipeline stages: balanced splits, full-model parameter names, tied weights, the theoretical bubble."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshyard.models.gpt import GPT, GPTShape
-from meshyard.parallel.pipeline import PipelineSplitError, split_model, stage_sizes
+from meshyard.parallel.pipeline import PipelineSplitError, StageTies, split_model, stage_sizes, stage_ties
 from meshyard.train.pipeline_step import theoretical_bubble
 
 SHAPE = GPTShape(vocab_size=32, context_length=8, n_layer=5, n_head=2, d_model=16)
@@ -52,3 +52,22 @@ def test_theoretical_bubble():
     assert theoretical_bubble(4, 4) == pytest.approx(3 / 7)
     assert theoretical_bubble(2, 8) == pytest.approx(1 / 9)
     assert theoretical_bubble(2, 4, virtual_stages=2) == pytest.approx(1 / 9)
+
+
+def test_a_weight_shared_by_the_first_and_last_stage_is_counted_once():
+    groups = [{"wte.weight", "head.weight"}]
+    held = [{"wte.weight", "a"}, {"b"}, {"c"}, {"head.weight"}]
+    assert stage_ties(groups, held, [0, 2]) == StageTies(("wte.weight",), (), True)
+    assert stage_ties(groups, held, [1, 3]) == StageTies(("head.weight",), ("head.weight",), True)
+    assert stage_ties(groups, [{"wte.weight", "head.weight"}, {"b"}], [0]) == StageTies()
+
+
+def test_a_tied_gpt_keeps_a_copy_of_its_embedding_on_the_last_stage():
+    torch.manual_seed(0)
+    first = split_model(GPT(SHAPE), 2, 0)
+    torch.manual_seed(0)
+    last = split_model(GPT(SHAPE), 2, 1)
+    assert first.tied and last.tied
+    assert first.tied_parameters() == [first.tok_emb.weight] and first.norm_duplicates() == []
+    assert last.tied_parameters() == last.norm_duplicates() == [last.lm_head.weight]
+    torch.testing.assert_close(first.tok_emb.weight, last.lm_head.weight)

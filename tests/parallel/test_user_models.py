@@ -9,7 +9,7 @@ config on one process.
 Cheap by construction: one 2-rank spawn builds and fits a trainer for every 2-rank cell
 in sequence, one 4-rank spawn does the FSDP x TP cells, and the one-process baselines run
 in this process; each (model, layout) cell is then its own test reading those results.
-A cell that raises is recorded with its error (type, message, innermost frame) and the
+A cell that raises is recorded with its error (type, message, where it was raised) and the
 spawn goes on with the next cell; a spawn that hangs is ended by a deadline inside each
 rank, and the cells it had not finished are reported as such.
 """
@@ -26,7 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from meshyard.parallel.activation_checkpoint import checkpointed_blocks
+from meshyard.parallel.data_parallel import unwrap
 from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
 from tests.conftest import tiny_config
@@ -47,6 +50,18 @@ TWO_RANK_LAYOUTS = {
     "pp2": ("--parallel.strategy=none", "--parallel.pp=2"),
 }
 FOUR_RANK_LAYOUTS = {"fsdp_x_tp": ("--parallel.strategy=fsdp", "--parallel.tp=2")}
+# What each layout must have done on a rank: degrees, whether parameters became DTensors
+# (FSDP shards, TP splits), whether the blocks recompute their activations.
+N_BLOCKS = 4
+EXPECTED = {
+    "ddp": ({"strategy": "ddp", "dp_shard": 1, "tp": 1, "pp": 1}, False, 0),
+    "fsdp": ({"strategy": "fsdp", "dp_shard": 2, "tp": 1, "pp": 1}, True, 0),
+    "fsdp_zero2": ({"strategy": "fsdp", "dp_shard": 2, "tp": 1, "pp": 1}, True, 0),
+    "fsdp_ac_full": ({"strategy": "fsdp", "dp_shard": 2, "tp": 1, "pp": 1}, True, N_BLOCKS),
+    "tp2": ({"strategy": "none", "dp_shard": 1, "tp": 2, "pp": 1}, True, 0),
+    "pp2": ({"strategy": "none", "dp_shard": 1, "tp": 1, "pp": 2}, False, 0),
+    "fsdp_x_tp": ({"strategy": "fsdp", "dp_shard": 2, "tp": 2, "pp": 1}, True, 0),
+}
 ONE_PROCESS = ("--parallel.strategy=none",)
 
 
@@ -67,7 +82,9 @@ def _available(model: str) -> bool:
 
 def _cases(layouts: dict[str, tuple[str, ...]], session: pytest.Session) -> list[tuple[str, tuple[str, ...]]]:
     """The cells of ``layouts`` that this session selected (``-k hf_llama`` spawns only those)."""
-    selected = {(item.callspec.params["model"], item.callspec.params["layout"]) for item in session.items
+    ours = [item for item in session.items
+            if getattr(item, "module", None) is not None and item.module.__name__ == __name__]
+    selected = {(item.callspec.params["model"], item.callspec.params["layout"]) for item in ours
                 if hasattr(item, "callspec") and item.callspec.params.get("layout") in layouts}
     return [(f"{model}-{name}", _overrides(model, overrides))
             for model in MODELS if _available(model) for name, overrides in layouts.items()
@@ -85,13 +102,19 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {message} (at {where})"
 
 
-def _fit(cfg, runtime: Runtime, run_dir: Path) -> list[float]:
+def _fit(cfg, runtime: Runtime, run_dir: Path) -> dict:
+    """The per-step losses of a trainer fitted on ``cfg``, and what its layout did to the
+    model on this rank (so that a cell cannot pass by training some other layout)."""
     trainer = build_trainer(cfg, runtime, run_dir)
     try:
         trainer.fit()
     finally:
         trainer.close()
-    return list(trainer.progress.losses)
+    model = unwrap(trainer.model)
+    return {"losses": list(trainer.progress.losses),
+            "layout": {key: trainer.facts[key] for key in ("strategy", "dp_shard", "tp", "pp")},
+            "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
+            "checkpointed_blocks": checkpointed_blocks(model) if trainer.facts["pp"] == 1 else 0}
 
 
 def _run_case(rank: int, world_size: int, folder: Path, case: str, overrides: tuple[str, ...]) -> dict:
@@ -99,7 +122,7 @@ def _run_case(rank: int, world_size: int, folder: Path, case: str, overrides: tu
                       backend="gloo")
     start = time.perf_counter()
     try:
-        result = {"losses": _fit(tiny_config(folder / case, *overrides), runtime, folder / case / "run")}
+        result = _fit(tiny_config(folder / case, *overrides), runtime, folder / case / "run")
     except Exception as error:  # recorded per cell; the next cell still runs
         result = {"error": _describe_error(error)}
     result["seconds"] = time.perf_counter() - start
@@ -167,7 +190,7 @@ def baselines(tmp_path_factory) -> dict[str, list[float]]:
         try:
             runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
             losses[model] = _fit(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), runtime,
-                                 folder / model / "run")
+                                 folder / model / "run")["losses"]
         finally:
             dist.destroy_process_group()
     return losses
@@ -179,6 +202,9 @@ def _check_cell(model: str, layout: str, results: dict, baselines: dict[str, lis
     cell = results[f"{model}-{layout}"]
     if cell.get("error"):
         pytest.fail(f"{model} under {layout}: {cell['error']}", pytrace=False)
+    layout_facts, distributed, checkpointed = EXPECTED[layout]
+    assert cell["layout"] == layout_facts
+    assert (cell["dtensor_params"] > 0) == distributed and cell["checkpointed_blocks"] == checkpointed
     expected, actual = baselines[model], cell["losses"]
     assert len(actual) == len(expected) == STEPS
     worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))

@@ -105,3 +105,37 @@ def test_describe_config_traces_other_models():
     assert desc.n_params == sum(p.numel() for p in MLP(256, 64, 3).parameters())
     assert desc.n_layer == 3 and not desc.tp_capable
     assert desc.vocab_size == 256 and desc.d_model == 64
+
+
+def test_a_users_model_is_traced_by_its_repeated_blocks_wherever_they_sit():
+    from tests.models.user_models import nanogpt
+
+    with torch.device("meta"):
+        model = nanogpt(vocab_size=256, context_length=32, n_layer=3)
+    described = describe_module(model, seq_len=32)
+    assert described.n_layer == 3 and described.traced_layer_flops > 0
+
+
+def test_a_forward_that_reads_values_is_refused_with_what_to_do():
+    class ReadsValues(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                               for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            if h.sum().item() > 0:  # data-dependent: no value on the meta device
+                h = h * 2
+            for block in self.blocks:
+                h = block(h)
+            return h
+
+    from meshyard.plan.trace import TraceError
+
+    with torch.device("meta"):
+        model = ReadsValues()
+    with pytest.raises(TraceError, match=r"\.item\(\).*plan a GPT of the same size"):
+        describe_module(model, seq_len=8, name="reads-values", make_input=lambda b, s, d: torch.zeros(
+            b, s, dtype=torch.long, device=d))

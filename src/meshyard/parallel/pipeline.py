@@ -310,11 +310,7 @@ def pp_problems(model: nn.Module, cfg: ParallelConfig, pp: int, example_tokens: 
         traced = trace_stages(model, cut_before, (), example_tokens, example_tokens.device)
     except (PipelineSplitError, PipelineTraceError) as problem:
         return [str(problem)]
-    problems = []
-    if cfg.tp > 1:
-        problems.append(f"parallel.tp = {cfg.tp} with parallel.pp = {pp}: tensor parallelism inside pipeline stages "
-                        f"needs meshyard's GPT; {type(model).__name__}'s stages are traced, with head counts fixed in "
-                        "the graph. Use tp or pp for this model, not both")
+    problems = []  # tensor parallelism inside traced stages is refused by tp_plans.tp_problems
     for group in tied_groups(model):
         stages = [index for index, names in enumerate(traced.held) if names & group]
         if len(stages) > 1 and set(stages) != {0, n_stages - 1}:

@@ -5,9 +5,12 @@ by ``torch.distributed.pipelining.pipeline`` (``torch.export`` underneath) with 
 point before the first block of every stage but the first, so its forward runs as the
 user wrote it (a loop over a ModuleList inside a ModuleDict, a Hugging Face decoder):
 what runs before the first block (embeddings, rotary tables, masks) lands on the first
-stage, what runs after the last block (final norm, head) on the last one, and whatever
-a later stage needs from an earlier one (the residual stream, rotary cos/sin, the mask)
-is sent to it by torch's traced pipeline stage, which reads this from the pipeline graph.
+stage, what runs after the last block (final norm, head) on the last one. Whatever a
+later stage needs from an earlier one (the residual stream, rotary cos/sin, the mask)
+reaches it through the stages in between (``_chain``), and torch's traced pipeline stage
+(``pipelining.stage.build_stage``) reads from the pipeline graph what to send and receive.
+Regions the forward runs under ``no_grad`` or ``autocast`` are inlined before the cut
+(``_prepare``): torch's outlining of stage modules mistakes their bodies for modules.
 
 The model is traced inside ``LogitsOf``, which returns the logits of whatever the
 forward returns (a Hugging Face ``ModelOutput`` included), so the last stage ends in
@@ -95,7 +98,7 @@ def trace_stages(model: nn.Module, cut_before: list[str], keep: Collection[int],
             delattr(pipe.split_gm, _child_name(pipe.split_gm, stage))  # frees its memory
             continue
         _restore_persistence(stage, non_persistent)
-        _retarget_devices(stage, tokens.device, device)
+        _retarget_devices(stage, tokens.device, _indexed(device))
         _release_copies(stage)
         modules[index] = stage
     return TracedStages(modules, pipe.info(), held)
@@ -223,9 +226,10 @@ def _inline(traced: fx.GraphModule, region: fx.Node) -> None:
             raise PipelineTraceError("parallel.pp: a grad-mode or autocast region's result is used whole")
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
+    body_node = region.args[at]
     graph.erase_node(region)
-    if not region.args[at].users:  # the body's attribute node, which outlining would also mistake
-        graph.erase_node(region.args[at])
+    if not body_node.users:  # the body's attribute node, which outlining would also mistake
+        graph.erase_node(body_node)
 
 
 def _trace_failure(model: nn.Module, failure: Exception, traced: bool) -> str:
@@ -388,6 +392,14 @@ def _retarget_devices(stage: nn.Module, traced_on: torch.device, device: torch.d
             if node.target is _enter_autocast and node.args[0] == traced_on.type:
                 node.args = (device.type, *node.args[1:])
         _recompile(module)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with the current index on a GPU: a traced graph also asserts tensors'
+    devices, and 'cuda' is not 'cuda:0' there."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _recompile(module: nn.Module) -> None:

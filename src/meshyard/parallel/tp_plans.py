@@ -245,13 +245,15 @@ def tp_problems(model: nn.Module, cfg: ParallelConfig, tp: int) -> list[str]:
     """Why ``model`` cannot run with ``tp`` tensor-parallel ranks under ``cfg``, one line
     each naming the fix; [] when it can (or tp is 1). Works on the meta device, where a
     plan without problems is also tried once (``tp_trial``)."""
-    if tp <= 1 or hasattr(model, "tensor_parallel_plan"):
+    if tp <= 1:
         return []
     if is_meshyard_gpt(model):
         return gpt_problems(model, tp)
     if cfg.pp > 1:
         return [f"parallel.tp = {tp} with parallel.pp = {cfg.pp} runs only meshyard's GPT: the pipeline stages of "
                 f"other models are traced graphs whose head counts are fixed when traced; use tp or pp alone"]
+    if hasattr(model, "tensor_parallel_plan"):
+        return []  # the model's own plan: what it splits is its author's decision
     plan = resolve_plan(model, cfg.tp_plan, tp)
     if plan is None:
         return no_plan_problems(model, tp)

@@ -33,10 +33,10 @@ class TraceError(ValueError):
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
-    for child in module.modules():
-        if isinstance(child, nn.ModuleList) and len(child) > 0:
-            return list(child)
-    return []
+    """The repeated blocks, found as sharding and checkpointing find them."""
+    from meshyard.parallel.units import find_blocks
+
+    return find_blocks(module)
 
 
 def _token_input(module: nn.Module) -> InputFactory:
@@ -58,6 +58,12 @@ def _count_flops(module: nn.Module, blocks: list[nn.Module], x: torch.Tensor) ->
     try:
         with counter, torch.no_grad():
             module(x)
+    except Exception as exc:  # the user's forward: anything it raises on meta tensors
+        raise TraceError(f"one forward on the meta device, which counts its FLOPs and saved activations, "
+                         f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); a "
+                         "forward that reads tensor values (.item(), data-dependent masks) cannot be planned this "
+                         "way: plan a GPT of the same size (--model gpt --n-layer/--n-head/--d-model) "
+                         "instead") from None
     finally:
         for handle in pre + post:
             handle.remove()
@@ -109,7 +115,7 @@ def describe_module(module: nn.Module, seq_len: int, name: str = "custom", make_
     for real) at ``seq_len`` tokens per sample. See the module docstring for how."""
     blocks = _blocks(module)
     if not blocks:
-        raise TraceError(f"model '{name}' has no nn.ModuleList of repeated blocks to split into layers")
+        raise TraceError(f"model '{name}' has no repeated blocks to split into layers")
     make_input = make_input or _token_input(module)
     n_params = sum(p.numel() for p in module.parameters())
     layer_params = round(sum(p.numel() for b in blocks for p in b.parameters()) / len(blocks))
