@@ -164,6 +164,7 @@ class _DeviceChosen(Exception):
 
 def test_worker_sets_cublas_before_choosing_the_device(make_config, monkeypatch):
     from meshyard.config.dump import config_to_dict
+    from meshyard.fault.failure import RankFailed
     from meshyard.worker import run_worker
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset")  # restored after the test
@@ -175,8 +176,9 @@ def test_worker_sets_cublas_before_choosing_the_device(make_config, monkeypatch)
         raise _DeviceChosen
 
     monkeypatch.setattr("meshyard.runtime.distributed.choose_device", choose_device)
-    with pytest.raises(_DeviceChosen):
+    with pytest.raises(RankFailed) as failed:  # a worker's exception, as one paragraph with its cause
         run_worker(config_to_dict(make_config("--train.deterministic=true", "--run.nproc=1")))
+    assert isinstance(failed.value.__cause__, _DeviceChosen)
     assert seen == [CUBLAS_WORKSPACE]
 
 
