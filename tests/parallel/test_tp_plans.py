@@ -258,7 +258,8 @@ def _forward_backward(name: str, mesh=None, loss_parallel: bool = False) -> dict
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
     from meshyard.parallel.tensor_parallel import apply_tp
-    from meshyard.train.step import logits_of, next_token_loss
+    from meshyard.models.outputs import logits_of
+    from meshyard.train.step import next_token_loss
 
     torch.manual_seed(0)
     model = BUILDERS[name](64, 16, n_layer=2)

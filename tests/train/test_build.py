@@ -111,3 +111,28 @@ def test_two_ranks_build_the_layout_they_were_given(tmp_path, overrides, runner,
     assert {r["data_parallel"] for r in results} == {data_parallel}
     assert results[0]["zero1"] == ("--parallel.strategy=zero1" in overrides)
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 4
+
+
+def test_a_build_that_fails_leaves_no_watchdog_running(tmp_path):
+    """A failure after the watchdog started (here: the model builder raises) stops it, or
+    an in-process caller would get a false start-up hang report much later."""
+    import threading
+
+    (tmp_path / "builders.py").write_text("def build(vocab_size):\n    raise ValueError('no model today')\n")
+    cfg = tiny_config(tmp_path, "--parallel.strategy=none", f"--model.name={tmp_path / 'builders.py'}:build")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", store=store)
+    try:
+        with pytest.raises(ValueError, match="no model today"):
+            build_trainer(cfg, runtime, tmp_path / "run")
+    finally:
+        dist.destroy_process_group()
+    assert not [t for t in threading.enumerate() if t.name.startswith("meshyard-watchdog") and t.is_alive()]
+
+
+def test_latest_is_resolved_by_the_launcher_not_here(one_rank, tmp_path):
+    from meshyard.checkpoint.resume import ResumeError
+
+    with pytest.raises(ResumeError, match="run.name"):
+        build_trainer(tiny_config(tmp_path, "--parallel.strategy=none"), one_rank, tmp_path / "run", resume="latest")

@@ -83,6 +83,9 @@ class Checkpointer:
     def last_committed(self) -> str | None:
         return self.manager.last_committed()
 
+    def close(self) -> None:
+        self.manager.close()
+
     # save and load --------------------------------------------------------------------------
     def save(self, step: int, facts: dict[str, Any], blocking: bool = False) -> None:
         """Checkpoint the bundle at ``step``; ``facts`` (eval loss, tokens seen, ...) go

@@ -157,6 +157,11 @@ class CheckpointManager:
         if pending.future is None:
             self._complete()
 
+    def close(self) -> None:
+        """Let the background writer's thread go once its work is done (it is not waited for)."""
+        if self._background is not None:
+            self._background.shutdown(wait=False)
+
     def _staging_name(self, name: str) -> str:
         """Local saves are staged under a name of this run's (runs sharing the folder
         never collide); object stores are written in place."""
@@ -330,6 +335,9 @@ class NullCheckpointManager:
         pass
 
     def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -161,7 +161,8 @@ def _read_record(path: Path) -> dict[str, Any] | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and "time" in record else None
+    wanted = ("time", "summary", "log")
+    return record if isinstance(record, dict) and all(key in record for key in wanted) else None
 
 
 def exit_description(rank: int, exit_code: int, run_dir: Path | None) -> str:

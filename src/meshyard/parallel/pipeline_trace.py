@@ -37,7 +37,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 from torch.distributed.pipelining import Pipe, pipeline
 from torch.distributed.pipelining._IR import PipeInfo
 
-from meshyard.train.step import logits_of
+from meshyard.models.outputs import logits_of
 
 PREFIX = "model"  # LogitsOf's attribute: every traced name starts with it
 _GRAD_MODE = torch.ops.higher_order.wrap_with_set_grad_enabled

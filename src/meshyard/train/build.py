@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshyard.checkpoint.checkpointer import Checkpointer, TrainingState
 from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
-from meshyard.checkpoint.resume import checkpoint_root, restart_count
+from meshyard.checkpoint.resume import ResumeError, checkpoint_root, restart_count
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.dump import config_hash, config_to_toml
 from meshyard.config.sections import Config
@@ -92,7 +92,26 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir: Path, resume: str = "a
     The config must have been validated for this world size (``meshyard.validate``);
     here only the layout is derived. Every rank calls this together: it runs collectives.
     """
+    if resume == "latest":
+        raise ResumeError("resume = 'latest' names a run by run.name, which meshyard.run resolves to that run's "
+                          "directory; pass that directory as run_dir (with resume = 'auto') or as resume")
     observers = observe(cfg, runtime, run_dir)
+    try:
+        trainer = assemble(cfg, runtime, run_dir, observers, preemption)
+    except BaseException:
+        observers.watchdog.stop()  # no trainer to close it: the watchdog would report a hang later
+        raise
+    try:
+        resume_trainer(trainer, cfg, runtime, run_dir, resume, observers.report)
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
+def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
+             preemption: PreemptionWatcher | NullWatcher | None) -> Trainer:
+    """Steps 2 to 7 above, up to a Trainer that has not resumed yet."""
     placement = place(cfg, runtime)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     if cfg.train.deterministic:
@@ -117,7 +136,6 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir: Path, resume: str = "a
                                                       observers.timer),
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
                       progress, on_nonfinite=cfg.fault.on_nonfinite, facts=facts)
-    resume_trainer(trainer, cfg, runtime, run_dir, resume, observers.report)
     return trainer
 
 

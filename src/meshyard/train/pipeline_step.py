@@ -11,7 +11,7 @@ Only the last stage sees the loss (``holds_loss``); the Trainer averages the los
 those ranks. Each step also measures, per rank, the time its stages spent computing
 (forward and backward chunks) against the wall time of the schedule: the rest is the
 pipeline bubble plus communication waits, reported beside the schedule's theoretical
-bubble ``(p - 1) / (m + p - 1)`` (divided by the virtual stages for interleaving).
+bubble ``(p - 1) / (v m + p - 1)`` (``v`` stages per rank when interleaved).
 Stage time is wall-clock on CPU and CUDA events on GPU, where a chunk's kernels are
 still running when its Python call returns.
 

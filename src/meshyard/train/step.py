@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from meshyard.metrics.timing import NullStepTimer, StepTimer
+from meshyard.models.outputs import logits_of
 from meshyard.parallel.data_parallel import set_gradient_sync
 from meshyard.train.precision import Precision
 
@@ -28,30 +29,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all positions, computed in fp32 whatever the compute dtype."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def logits_of(output: object) -> torch.Tensor:
-    """The logits in what a model's forward returned: a tensor as is, the ``logits`` of a
-    Hugging Face ``ModelOutput`` or of a dict. Anything else is a TypeError that names
-    what came back, since the loss cannot guess which part of it to train on."""
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):  # a ModelOutput is a dict too; both paths find it
-        return logits
-    raise TypeError(
-        f"the model's forward returned {_describe(output)}, which holds no logits tensor; meshyard trains "
-        "on next-token logits: return a (batch, sequence, vocabulary) tensor, or an object or dict with "
-        "a 'logits' tensor (as Hugging Face models do)")
-
-
-def _describe(output: object) -> str:
-    """A short name for what a forward returned, for the error above."""
-    if isinstance(output, dict):
-        return f"a {type(output).__name__} with keys {sorted(map(str, output))}"
-    if isinstance(output, (tuple, list)):
-        return f"a {type(output).__name__} of {len(output)} items"
-    return f"a value of type {type(output).__name__}"
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

@@ -148,9 +148,11 @@ class Trainer:
         self.checkpoints.save(self.progress.step, facts, blocking=blocking)
 
     def close(self) -> None:
-        """Stop the watchdog and close the sinks (after ``fit``, also when it raised)."""
+        """Stop the watchdog, close the sinks and the checkpointer (after ``fit``, also when
+        it raised)."""
         self.watchdog.stop()
         self.sinks.close()
+        self.checkpoints.close()
 
     # steps ----------------------------------------------------------------------
     def _start_agreement(self, loss: torch.Tensor) -> "_PendingAgreement":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from meshyard.train.step import logits_of
+from meshyard.models.outputs import logits_of
 
 LOGITS = torch.randn(2, 3, 5)
 
