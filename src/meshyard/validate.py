@@ -74,7 +74,7 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
     layout, layout_problems = _derive(cfg, world_size)
     problems.extend(layout_problems)
     if layout is not None:
-        problems.extend(_micro_batch_problems(cfg, layout.batch))
+        problems.extend(_micro_batch_problems(layout))
     shape_problems = _gpt_shape_problems(cfg)
     problems.extend(shape_problems)
     if layout is not None and not shape_problems:
@@ -171,11 +171,10 @@ def _derive(cfg: Config, world_size: int) -> tuple[ValidatedLayout | None, list[
     return ValidatedLayout(layout=layout, batch=batch), []
 
 
-def _micro_batch_problems(cfg: Config, batch: BatchPlan) -> list[str]:
+def _micro_batch_problems(checked: ValidatedLayout) -> list[str]:
     """Pipeline micro-batches must split each train.micro_batch into whole samples."""
-    p = cfg.parallel
-    microbatches = p.microbatches or p.pp
-    if p.pp > 1 and microbatches > 0 and batch.micro_batch % microbatches:
+    batch, microbatches = checked.batch, checked.layout.microbatches
+    if checked.layout.pipelined and microbatches > 0 and batch.micro_batch % microbatches:
         return [f"parallel.microbatches = {microbatches} does not divide the {batch.micro_batch} samples "
                 "of each train.micro_batch; each pipeline micro-batch must hold whole samples"]
     return []

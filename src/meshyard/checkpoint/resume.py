@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate, newest_valid
+from meshyard.checkpoint.locate import RUN_CHECKPOINTS, CheckpointRef, LocationError, locate, newest_valid
 from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
@@ -36,7 +36,7 @@ ResumePoint = CheckpointRef
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> str:
-    return cfg.dir or str(run_dir / "checkpoints")
+    return cfg.dir or str(run_dir / RUN_CHECKPOINTS)
 
 
 def find_explicit(location: str, cfg: CheckpointConfig, report: Callable[[str], None],
