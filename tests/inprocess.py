@@ -9,7 +9,6 @@ config, the step records rank 0 wrote to its run directory's metrics.jsonl.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshyard.config.sections import Config
+from meshyard.metrics.records import read_metrics
 from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
 from meshyard.validate import validate
@@ -38,8 +38,7 @@ def _fit(cfg: Config, rank: int, world_size: int) -> None:
 
 
 def _records(cfg: Config) -> Records:
-    path = Path(cfg.run.run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(cfg.run.run_dir)
 
 
 def _fit_each(rank: int, world_size: int, configs: list[Config]) -> None:

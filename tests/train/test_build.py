@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from meshyard.checkpoint.checkpointer import Checkpointer
+from meshyard.metrics.records import read_metrics
 from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
 from meshyard.train.step import MicroBatchStep
@@ -38,7 +38,7 @@ def test_a_trainer_built_in_process_trains_and_records(one_rank, tmp_path):
     finally:
         trainer.close()
     assert summary["steps"] == 6 and summary["final_loss"] < summary["first_loss"]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 7))
     assert trainer.facts["strategy"] == "none" and trainer.facts["parameters"] > 0
 

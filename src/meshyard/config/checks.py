@@ -163,8 +163,9 @@ def _combination_problems(p: ParallelConfig, c: CommConfig, d: DataConfig) -> li
          f"comm.compression = '{c.compression}' is not supported with parallel.pp > 1"),
         (not (p.tp > 1 and p.pp == 1 and p.strategy == "ddp" and c.compression != "none"),
          f"comm.compression = '{c.compression}' does not combine with parallel.tp = {p.tp}: DDP cannot "
-         "wrap a tensor-parallel model, so 'ddp' replicates it with FSDP2, whose gradient all-reduce takes no "
-         "DDP communication hook; use comm.compression = 'none' (or parallel.tp = 1 to compress)"),
+         "wrap a tensor-parallel model, so 'ddp' replicates it with FSDP2 (or, when every rank is "
+         "tensor-parallel, has nothing to replicate), and no DDP communication hook runs; use "
+         "comm.compression = 'none' (or parallel.tp = 1 to compress)"),
         (not (p.tp > 1 and d.seq_len % p.tp and p.sequence_parallel),
          f"data.seq_len = {d.seq_len} is not divisible by parallel.tp = {p.tp} (sequence parallelism splits "
          "the sequence); change one or set parallel.sequence_parallel = false"),

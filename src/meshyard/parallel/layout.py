@@ -122,7 +122,7 @@ class Layout:
         return Layout(cfg, dims)
 
     def facts(self) -> dict[str, object]:
-        """The layout as recorded in run.json and checkpoint manifests."""
+        """The layout as recorded in run.json (manifests keep the data-parallel part)."""
         dims = self.dims
         return {"strategy": self.cfg.strategy, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                 "tp": dims.tp, "pp": dims.pp, "activation_checkpointing": self.cfg.ac}
