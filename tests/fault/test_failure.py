@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import pickle
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -75,3 +77,23 @@ def test_the_earliest_failure_of_the_attempt_is_reported(tmp_path):
     assert first_failure(tmp_path, "job-a", 1) == "rank 2 failed: X; full traceback in rank2.log"
     assert first_failure(tmp_path, "job-b", 0) == "rank 3 failed: X; full traceback in rank3.log"
     assert first_failure(tmp_path, "job-a", 2) is None  # no rank of it raised: killed, or exited on purpose
+
+
+def test_installed_packages_inside_pythons_folder_are_named(monkeypatch):
+    """As on Docker images: site-packages inside the standard library's folder. A frame of
+    an installed package (meshyard, the user's) is named; Python's and torch's are not."""
+    import sysconfig
+
+    import torch
+
+    from meshyard.fault.failure import _is_library
+
+    lib = "/usr/local/lib/python3.11"
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": lib, "platstdlib": lib,
+                                                          "purelib": f"{lib}/site-packages",
+                                                          "platlib": f"{lib}/site-packages"})
+    assert not _is_library(f"{lib}/site-packages/meshyard/train/trainer.py")
+    assert not _is_library(f"{lib}/site-packages/mymodels/gpt.py")
+    assert _is_library(f"{lib}/json/decoder.py")
+    assert _is_library(str(Path(torch.__file__).parent / "nn" / "modules" / "module.py"))
+    assert _is_library("<eval_with_key>.3")

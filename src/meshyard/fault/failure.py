@@ -57,14 +57,23 @@ class RankFailed(WorkerFailure):
         return type(self), (self.rank, str(self), self.log)
 
 
-def _library_dirs() -> tuple[str, ...]:
-    """Folders whose frames are never the place to name: Python's and torch's."""
-    paths = sysconfig.get_paths()
-    folders = {paths["stdlib"], paths["platstdlib"]}
+def _folders(*paths: str) -> tuple[str, ...]:
+    return tuple(path.rstrip("/") + "/" for path in paths)
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame in ``filename`` is never the place to name: generated code (a traced
+    graph's), torch's, or Python's own. Installed packages (meshyard, the user's) are
+    not, even where site-packages lies inside Python's folder (Docker images, conda)."""
+    if filename.startswith("<"):
+        return True
     torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        folders.add(str(Path(torch.__file__).parent))
-    return tuple(folder.rstrip("/") + "/" for folder in folders)
+    if torch is not None and getattr(torch, "__file__", None) and filename.startswith(
+            _folders(str(Path(torch.__file__).parent))):
+        return True
+    paths = sysconfig.get_paths()
+    python, installed = _folders(paths["stdlib"], paths["platstdlib"]), _folders(paths["purelib"], paths["platlib"])
+    return filename.startswith(python) and not filename.startswith(installed)
 
 
 def failure_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -72,9 +81,8 @@ def failure_frame(exc: BaseException) -> traceback.FrameSummary | None:
     (not Python's, not torch's, not generated code such as a traced graph's); the
     innermost frame of all when there is none."""
     frames = traceback.extract_tb(exc.__traceback__)
-    library = _library_dirs()
     for frame in reversed(frames):
-        if not frame.filename.startswith(library) and not frame.filename.startswith("<"):
+        if not _is_library(frame.filename):
             return frame
     return frames[-1] if frames else None
 
