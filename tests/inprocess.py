@@ -19,22 +19,33 @@ from meshyard.config.sections import Config
 from meshyard.metrics.records import read_metrics
 from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
+from meshyard.train.trainer import Trainer
 from meshyard.validate import validate
 from tests.ranks import run_on_ranks
 
 Records = list[dict[str, Any]]
 
 
-def _fit(cfg: Config, rank: int, world_size: int) -> None:
-    runtime = Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
-                      backend="gloo")
-    run_dir = Path(cfg.run.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(cfg, runtime, run_dir, resume="none")
+def cpu_runtime(rank: int = 0, world_size: int = 1) -> Runtime:
+    """This process as rank ``rank`` of a gloo job on CPU (the process group must be up)."""
+    return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+
+
+def fitted(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1, resume: str = "auto") -> Trainer:
+    """A trainer built for ``cfg`` on this rank, fitted and closed (its progress, facts and
+    model stay readable)."""
+    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), run_dir, resume)
     try:
         trainer.fit()
     finally:
         trainer.close()
+    return trainer
+
+
+def _fit(cfg: Config, rank: int, world_size: int) -> None:
+    run_dir = Path(cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fitted(cfg, run_dir, rank, world_size, resume="none")
 
 
 def _records(cfg: Config) -> Records:

@@ -21,9 +21,8 @@ import torch.distributed as dist
 
 from meshyard.config.sections import ParallelConfig
 from meshyard.parallel.pipeline import example_micro_batch, pp_problems, split_model
-from meshyard.runtime.distributed import Runtime
-from meshyard.train.build import build_trainer
 from tests.conftest import tiny_config
+from tests.inprocess import fitted
 from tests.models import user_models
 from tests.ranks import run_on_ranks
 
@@ -44,17 +43,9 @@ PIPELINED = ("--parallel.strategy=none", "--parallel.pp=2")
 INTERLEAVED = (*PIPELINED, "--parallel.pp_schedule=interleaved1f1b", "--parallel.pp_virtual_stages=2")
 
 
-def _runtime(rank: int, world_size: int) -> Runtime:
-    return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-
-
 def _fit(folder: Path, overrides: tuple[str, ...], rank: int = 0, world_size: int = 1, resume: str = "auto") -> dict:
-    trainer = build_trainer(tiny_config(folder, *overrides), _runtime(rank, world_size), folder / "run", resume)
+    trainer = fitted(tiny_config(folder, *overrides), folder / "run", rank, world_size, resume)
     names = sorted(name for name, _ in trainer.model.named_parameters())
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
     return {"losses": list(trainer.progress.losses), "names": names}
 
 

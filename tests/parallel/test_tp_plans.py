@@ -17,9 +17,8 @@ from meshyard.config.sections import ParallelConfig
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.parallel.tp_modules import per_rank_attributes
 from meshyard.parallel.tp_plans import resolve_plan, tp_problems
-from meshyard.runtime.distributed import Runtime
-from meshyard.train.build import build_trainer
 from tests.conftest import tiny_config
+from tests.inprocess import fitted
 from tests.models import user_models
 from tests.models.user_models import hf_gpt2, hf_llama, nanogpt
 from tests.ranks import run_on_ranks
@@ -198,13 +197,7 @@ CASES = {
 
 def _losses(tmp: str, rank: int, world_size: int, name: str, overrides: tuple[str, ...]) -> list[float]:
     cfg = tiny_config(Path(tmp) / name, *overrides)
-    runtime = Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    trainer = build_trainer(cfg, runtime, Path(tmp) / name / "run")
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer.progress.losses
+    return fitted(cfg, Path(tmp) / name / "run", rank, world_size).progress.losses
 
 
 def _train_cases(rank: int, world_size: int, tmp: str, cases: dict[str, tuple[str, ...]]) -> dict[str, list[float]]:

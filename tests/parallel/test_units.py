@@ -21,9 +21,9 @@ from meshyard.parallel.activation_checkpoint import apply_ac, checkpointed_block
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.pipeline import split_model
 from meshyard.parallel.units import ac_problems, describe_units, find_blocks, repeated_block_class, unit_problems
-from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
 from tests.conftest import tiny_config
+from tests.inprocess import cpu_runtime
 from tests.models import user_models
 from tests.models.user_models import Block, hf_gpt2, hf_llama, nanogpt
 from tests.ranks import run_on_ranks
@@ -137,8 +137,7 @@ def test_pipeline_stages_keep_their_blocks_under_the_whole_models_class():
 
 def _train(rank: int, world_size: int, tmp: str, overrides: tuple[str, ...]) -> dict:
     cfg = tiny_config(Path(tmp), f"--model.name={USER_MODELS}:nanogpt", *overrides)
-    runtime = Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    trainer = build_trainer(cfg, runtime, Path(tmp) / "run")
+    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / "run")
     model = unwrap(trainer.model)
     blocks = list(model.transformer.h)
     try:

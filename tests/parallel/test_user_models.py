@@ -16,6 +16,7 @@ rank, and the cells it had not finished are reported as such.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import threading
@@ -30,9 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from meshyard.parallel.activation_checkpoint import checkpointed_blocks
 from meshyard.parallel.data_parallel import unwrap
-from meshyard.runtime.distributed import Runtime
-from meshyard.train.build import build_trainer
 from tests.conftest import tiny_config
+from tests.inprocess import fitted
 from tests.ranks import run_on_ranks
 
 USER_MODELS = Path(__file__).resolve().parents[1] / "models" / "user_models.py"
@@ -73,11 +73,7 @@ def _available(model: str) -> bool:
     """Hugging Face cells need transformers (the test extra installs it)."""
     if not model.startswith("hf_"):
         return True
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("transformers") is not None
 
 
 def _cases(layouts: dict[str, tuple[str, ...]], session: pytest.Session) -> list[tuple[str, tuple[str, ...]]]:
@@ -102,14 +98,10 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {message} (at {where})"
 
 
-def _fit(cfg, runtime: Runtime, run_dir: Path) -> dict:
+def _fit(cfg, rank: int, world_size: int, run_dir: Path) -> dict:
     """The per-step losses of a trainer fitted on ``cfg``, and what its layout did to the
     model on this rank (so that a cell cannot pass by training some other layout)."""
-    trainer = build_trainer(cfg, runtime, run_dir)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    trainer = fitted(cfg, run_dir, rank, world_size)
     model = unwrap(trainer.model)
     return {"losses": list(trainer.progress.losses),
             "layout": {key: trainer.facts[key] for key in ("strategy", "dp_shard", "tp", "pp")},
@@ -118,11 +110,9 @@ def _fit(cfg, runtime: Runtime, run_dir: Path) -> dict:
 
 
 def _run_case(rank: int, world_size: int, folder: Path, case: str, overrides: tuple[str, ...]) -> dict:
-    runtime = Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
-                      backend="gloo")
     start = time.perf_counter()
     try:
-        result = _fit(tiny_config(folder / case, *overrides), runtime, folder / case / "run")
+        result = _fit(tiny_config(folder / case, *overrides), rank, world_size, folder / case / "run")
     except Exception as error:  # recorded per cell; the next cell still runs
         result = {"error": _describe_error(error)}
     result["seconds"] = time.perf_counter() - start
@@ -188,8 +178,7 @@ def baselines(tmp_path_factory) -> dict[str, list[float]]:
     for model in filter(_available, MODELS):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            runtime = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-            losses[model] = _fit(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), runtime,
+            losses[model] = _fit(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), 0, 1,
                                  folder / model / "run")["losses"]
         finally:
             dist.destroy_process_group()

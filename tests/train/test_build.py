@@ -15,17 +15,14 @@ from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
 from meshyard.train.step import MicroBatchStep
 from tests.conftest import tiny_config
+from tests.inprocess import cpu_runtime
 from tests.ranks import run_on_ranks
-
-
-def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
-    return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
 
 
 @pytest.fixture
 def one_rank():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield _runtime()
+    yield cpu_runtime()
     dist.destroy_process_group()
 
 
@@ -93,7 +90,7 @@ def test_a_part_added_to_the_bundle_is_saved_and_restored(one_rank, tmp_path):
 
 def _two_rank_layouts(rank: int, world_size: int, tmp: str, overrides: tuple[str, ...]) -> dict:
     cfg = tiny_config(Path(tmp), *overrides)
-    trainer = build_trainer(cfg, _runtime(rank, world_size), Path(tmp) / "run")
+    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / "run")
     layout = trainer.layout
     losses = _losses(trainer)
     return {"runner": type(trainer.runner).__name__, "data_parallel": layout.data_parallel,
