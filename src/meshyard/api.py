@@ -28,12 +28,14 @@ from meshyard.config.sections import Config
 from meshyard.data.corpus import DataSourceError
 from meshyard.data.loader import split_corpus
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
+from meshyard.config.checks import node_range
 from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
+from meshyard.launch.nodes import Nodes
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import PluginError, is_custom_reference, load_callable, unaccepted_keywords
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.devices import require_deterministic_cublas
-from meshyard.runtime.environment import detect_environment
+from meshyard.runtime.environment import detect_environment, job_identity
 from meshyard.validate import validate, validate_local_launch
 from meshyard.worker import run_worker, spawned_worker
 
@@ -156,15 +158,31 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
         return _run_as_rank(config, resume)
     config, _ = validate_local_launch(config, nproc, earlier_problems)
     config, resume = _resume_target(config, resume)
+    nodes = _nodes_of(config)
     prepare_inputs(config)  # before the run directory exists: bad input leaves nothing behind
-    run_dir = resolve_run_dir(config.run)
+    run_dir = resolve_run_dir(config.run, nodes.rdzv_id if nodes else config.run.rdzv_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"meshyard: run directory {run_dir}", flush=True)
     # Workers inherit this environment, and cuBLAS reads the setting when CUDA starts in them.
     require_deterministic_cublas(config.train.deterministic, config.run.device, os.environ)
     args: WorkerArgs = (config_to_dict(config), str(run_dir), resume)
-    summary = _run_in_process(args) if config.run.nproc == 1 else _run_local_workers(config, args, run_dir)
-    return RunResult(run_dir, summary)
+    if config.run.nproc == 1 and nodes is None:
+        return RunResult(run_dir, _run_in_process(args))
+    return RunResult(run_dir, _run_local_workers(config, args, run_dir, nodes))
+
+
+def _nodes_of(config: Config) -> Nodes | None:
+    """The nodes of a job on more than one node (None for one node). Such a job needs an
+    id that every node and every restart share: ``run.rdzv_id`` or the scheduler's."""
+    low, high = node_range(config.run.nnodes) or (1, 1)
+    if high == 1:
+        return None
+    rdzv_id = config.run.rdzv_id or job_identity()
+    if not rdzv_id:
+        raise ConfigError([f"run.nnodes = '{config.run.nnodes}' needs run.rdzv_id (--rdzv-id ID): one id that "
+                           "every node and every restart of the job share; it names the run directory, so a "
+                           "restarted job finds its checkpoints (e.g. --rdzv-id my-job-1)"])
+    return Nodes.of(config.run, rdzv_id)
 
 
 def _run_as_rank(config: Config, resume: str) -> RunResult:
@@ -183,8 +201,9 @@ def _run_in_process(args: WorkerArgs) -> dict[str, Any] | None:
         torch.set_num_threads(threads)
 
 
-def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path) -> dict[str, Any] | None:
-    """``config.run.nproc`` workers through the elastic agent; rank 0's summary.
+def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path, nodes: Nodes | None) -> dict[str, Any] | None:
+    """``config.run.nproc`` workers through the elastic agent (this node's share of
+    ``nodes``); rank 0's summary (None on a node without rank 0).
 
     Raises ``Preempted`` when they stopped for a preemption signal after saving (all
     exited with ``EXIT_PREEMPTED``, or this process got the signal too), else
@@ -194,7 +213,7 @@ def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path) -> dict[
     started = time.time()
     try:
         return launch_local(spawned_worker, args, config.run.nproc, fault.max_restarts, fault.grace_period_s,
-                            fault.signals, run_dir)[0]
+                            fault.signals, run_dir, nodes).get(0)
     except WorkerFailure as failure:
         if failure.exit_codes and all(code == EXIT_PREEMPTED for code in failure.exit_codes):
             raise _preemption_from_record(run_dir, started) from None

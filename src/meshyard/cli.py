@@ -35,8 +35,18 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         epilog=OVERRIDES_HELP,
     )
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
-    p.add_argument("--nproc", type=int,
-                   help="local worker processes (same as --run.nproc; default: one per visible GPU, else 2)")
+    p.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int,
+                   help="worker processes on this node (same as --run.nproc; default: one per visible GPU, else 2)")
+    nodes = p.add_argument_group(
+        "several nodes", "Run the same command on every node; each finds its own address and interface on the "
+        "route to the endpoint. Same as the [run] keys nnodes, rdzv_endpoint, rdzv_id and node_rank.")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the job, or a range for an elastic job")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST[:PORT]",
+                       help="where the nodes meet (port 29400 by default): an address of one node, reachable by all")
+    nodes.add_argument("--rdzv-id", metavar="ID",
+                       help="the job's id, the same on every node and every restart; names the run directory")
+    nodes.add_argument("--node-rank", type=int, metavar="R",
+                       help="this node's rank for a fixed node count (0 serves the rendezvous); default: by arrival")
     p.add_argument("--resume", default="auto", metavar="auto|latest|none|PATH",
                    help="auto (default): continue from this run directory's newest valid checkpoint; "
                    "latest: continue the newest run of the same name; none: start fresh; PATH or URL: "
@@ -73,14 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshyard.api import run
 
-    if args.nproc is not None:
-        overrides = [*overrides, f"--run.nproc={args.nproc}"]
+    given = {"nproc": args.nproc, "nnodes": args.nnodes, "rdzv_endpoint": args.rdzv_endpoint,
+             "rdzv_id": args.rdzv_id, "node_rank": args.node_rank}
+    overrides = [*overrides, *(f"--run.{key}={value}" for key, value in given.items() if value is not None)]
     # run() validates once, for the world size it will run at; problems met on load are
     # reported with its own, in one message.
     config, problems = collect_config(args.config, overrides)
     result = run(config, resume=args.resume, earlier_problems=problems)
     if result.summary is not None:
         print(f"meshyard: finished; records in {result.run_dir}", flush=True)
+    else:
+        print(f"meshyard: this node's workers finished; rank 0 keeps the records in {result.run_dir}", flush=True)
     return 0
 
 

@@ -33,7 +33,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from meshyard.config.checks import field_problems
+from meshyard.config.checks import field_problems, node_range
 from meshyard.config.load import ConfigError, collect_config, did_you_mean
 from meshyard.config.sections import Config
 from meshyard.data.corpus import BYTE_VOCAB
@@ -109,12 +109,23 @@ def validate_local_launch(cfg: Config, nproc: int | None = None,
                           earlier_problems: Iterable[str] = ()) -> tuple[Config, ValidatedLayout]:
     """Check ``cfg`` for workers started on this machine (how many: ``with_local_nproc``),
     including whether this machine can hold them (no more ranks than GPUs unless
-    ``run.share_gpus``). Returns the config carrying that count, and its layout."""
+    ``run.share_gpus``). Returns the config carrying that count, and its layout.
+
+    With ``run.nnodes`` above one, the job is checked at the largest world size it can
+    have, and its layout derived at every other node count it may shrink or grow to
+    (an elastic job must fit each)."""
     cfg = with_local_nproc(cfg, nproc)
     run = cfg.run
     launch_problem = local_launch_problem(run.nproc, run.device, visible_gpu_count(), run.share_gpus)
     problems = [*earlier_problems, *([launch_problem] if launch_problem else [])]
-    return cfg, validate(cfg, run.nproc, problems)
+    low, high = node_range(run.nnodes) or (1, 1)
+    checked = validate(cfg, high * run.nproc, problems)
+    unfit = [f"with {count} node(s) ({count * run.nproc} ranks): {problem}" for count in range(low, high)
+             for problem in _derive(cfg, count * run.nproc)[1]]
+    if unfit:
+        raise ConfigError([f"run.nnodes = '{run.nnodes}' lets the job run on fewer nodes, where its layout does "
+                           "not fit; narrow the range or change the layout", *unfit])
+    return cfg, checked
 
 
 def load_and_validate(

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from meshyard.checkpoint.resume import restart_count
+from meshyard.checkpoint.resume import checkpoint_root, restart_count
 from meshyard.config.dump import config_hash, config_to_toml
 from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
@@ -28,20 +28,12 @@ from meshyard.fault.failure import first_failure, record_failure, this_attempt
 from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
 from meshyard.launch.local import quiet_agent_logs
 from meshyard.metrics.records import read_metrics, truncate_metrics
-from meshyard.run_dir import resolve_run_dir
+from meshyard.run_dir import resolve_run_dir, restart_advice, run_id_of
 from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.distributed import Runtime, init_distributed, rank0_decides, shutdown_distributed
-from meshyard.runtime.environment import detect_environment
+from meshyard.runtime.environment import detect_environment, job_identity
 from meshyard.train.build import build_trainer
 from meshyard.train.trainer import Trainer
-
-
-def _cluster_job_id() -> str:
-    """An id that stays the same when a cluster job restarts or is requeued, so the run
-    directory (and its checkpoints) is found again."""
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm{os.environ['SLURM_JOB_ID']}"
-    return os.environ.get("TORCHELASTIC_RUN_ID", "") if os.environ.get("TORCHELASTIC_RUN_ID") != "none" else ""
 
 
 def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None:
@@ -122,9 +114,8 @@ def _watch_signals(names: list[str]) -> PreemptionWatcher | NullWatcher:
 
 def _train(cfg: Config, runtime: Runtime, where: _Whereabouts, resume: str,
            watcher: PreemptionWatcher | NullWatcher) -> dict[str, Any] | None:
-    given = str(where.run_dir) if where.run_dir else ""
-    run_dir = Path(rank0_decides(lambda: given or str(resolve_run_dir(cfg.run, _cluster_job_id()))))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(rank0_decides(lambda: str(_open_run_dir(cfg, where.run_dir))))
+    run_dir.mkdir(parents=True, exist_ok=True)  # where ranks do not share rank 0's folder
     where.run_dir = run_dir
     trainer = build_trainer(cfg, runtime, run_dir, resume, watcher)
     try:
@@ -148,6 +139,28 @@ def _train(cfg: Config, runtime: Runtime, where: _Whereabouts, resume: str,
     return summary
 
 
+def _open_run_dir(cfg: Config, given: Path | None) -> Path:
+    """Rank 0 names the run directory (``given`` by meshyard's launcher, else after the
+    job: ``runtime.environment.job_identity``), creates it and fixes the run's id in it,
+    once for the whole job. A name a restart would not find again is said on the console."""
+    job = job_identity()
+    run_dir = given or resolve_run_dir(cfg.run, job)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id_of(run_dir, job)
+    advice = "" if given else restart_advice(cfg.run, os.environ)
+    if advice:
+        print(advice, flush=True)
+    return run_dir
+
+
+def _identity(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """For run.json: the run's id, the job it belongs to, and where its checkpoints are
+    (``--resume latest`` and ``meshyard ckpt`` find them there, ``checkpoint.dir`` too)."""
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    return {"run_id": run_id_of(run_dir), "job_id": job_identity(),
+            "checkpoints": root if "://" in root else str(Path(root).expanduser().resolve())}
+
+
 def _announce(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Path) -> None:
     """The run's facts to the rank log, run.json and restarts.jsonl (rank 0), and one
     line on the console."""
@@ -155,7 +168,7 @@ def _announce(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Path) ->
     trainer.sinks.logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(facts))
     resumed = facts.get("resumed_from")
     if runtime.is_main:
-        _write_run_record(run_dir, cfg, facts)
+        _write_run_record(run_dir, cfg, {**facts, **_identity(cfg, run_dir)})
         _record_restart(run_dir, resumed["checkpoint"] if resumed else None, trainer.progress.step)
     trainer.sinks.display.note(
         f"meshyard: {facts['parameters']:,} parameters, {runtime.world_size} rank(s) on {runtime.device.type}/"

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 
 from meshyard.api import _resume_target
-from meshyard.checkpoint.locate import LocationError, Runs, find_checkpoints, locate
+from meshyard.checkpoint.locate import LocationError, Runs, find_checkpoints, latest_run_dir, locate
 from meshyard.checkpoint.manager import checkpoint_name
 from meshyard.checkpoint.manifest import MANIFEST, build_manifest
 from meshyard.checkpoint.resume import ResumeError, checkpoint_root, choose_resume_point, find_explicit
@@ -25,10 +25,11 @@ from meshyard.config.load import ConfigError, load_config
 CFG = load_config(None, []).checkpoint
 
 
-def write_checkpoint(root: str, step: int, valid: bool = True, manifest: bool = True) -> str:
+def write_checkpoint(root: str, step: int, valid: bool = True, manifest: bool = True, **facts) -> str:
     """A small checkpoint in the real layout (one shard and a manifest), without DCP:
     resolving reads manifests and file sizes only. ``valid=False`` makes the manifest
-    disagree with the shard's size; ``manifest=False`` is a save that never finished."""
+    disagree with the shard's size; ``manifest=False`` is a save that never finished.
+    ``facts`` go into the manifest (``created``: the commit time, ``run_id``)."""
     store = CheckpointStore(root)
     directory = store.path(checkpoint_name(step))
     store.makedirs(directory)
@@ -37,14 +38,27 @@ def write_checkpoint(root: str, step: int, valid: bool = True, manifest: bool = 
         handle.write(payload)
     if manifest:
         entry = {"size": len(payload) + (0 if valid else 1), "sha256": hashlib.sha256(payload).hexdigest(), "rank": 0}
-        store.write_text(f"{directory}/{MANIFEST}", json.dumps(build_manifest({"shard.bin": entry}, {"step": step})))
+        store.write_text(f"{directory}/{MANIFEST}", json.dumps(build_manifest({"shard.bin": entry}, {"step": step, **facts})))
     return f"{root.rstrip('/')}/{checkpoint_name(step)}"
 
 
-def a_run(run_dir: Path, *steps: int) -> Path:
+def a_run(run_dir: Path, *steps: int, created: float | None = None) -> Path:
     for step in steps:
-        write_checkpoint(str(run_dir / "checkpoints"), step)
+        write_checkpoint(str(run_dir / "checkpoints"), step, **({"created": created} if created else {}))
     return run_dir
+
+
+def a_run_with_checkpoint_dir(run_dir: Path, folder: Path, run_id: str) -> Path:
+    """A run directory as the worker records one whose checkpoints go to ``checkpoint.dir``."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "checkpoints": str(folder)}))
+    return run_dir
+
+
+def age(*paths: Path) -> None:
+    """Folder times that contradict the commit times: the first is the oldest."""
+    for n, path in enumerate(paths):
+        os.utime(path, (1e9 + n, 1e9 + n))
 
 
 def both(location: str, options: dict | None = None, messages: list[str] | None = None) -> str:
@@ -73,14 +87,13 @@ def test_each_kind_of_location_names_the_same_checkpoint_for_both_entry_points(t
     assert point is not None and point.name == expected
 
 
-def test_latest_is_the_newest_run_of_the_name_with_checkpoints(tmp_path, capsys):
+def test_latest_is_the_run_of_the_name_whose_checkpoints_were_committed_last(tmp_path, capsys):
     runs = tmp_path / "runs"
-    older, newest = a_run(runs / "exp-1", 1), a_run(runs / "exp-2", 4, 5)
+    older, newest = a_run(runs / "exp-1", 1, created=2e9), a_run(runs / "exp-2", 4, 5, created=3e9)
     (runs / "exp-3" / "checkpoints").mkdir(parents=True)  # started, never saved
-    a_run(runs / "other-1", 9)  # another name
-    a_run(runs / "experiment", 9)  # a name that only starts like it
-    for age, path in enumerate([runs / "experiment", runs / "other-1", runs / "exp-3", newest, older]):
-        os.utime(path, (1e9 - age, 1e9 - age))
+    a_run(runs / "other-1", 9, created=4e9)  # another name
+    a_run(runs / "experiment", 9, created=4e9)  # a name that only starts like it
+    age(newest, runs / "exp-3", older)  # a folder touched later (a log, a copy) is not a newer run
 
     tool = resolve("latest", {}, Runs(str(runs), "exp"))
     config, resume = _resume_target(load_config(None, [f"--run.dir={runs}", "--run.name=exp"]), "latest")
@@ -92,6 +105,38 @@ def test_latest_is_the_newest_run_of_the_name_with_checkpoints(tmp_path, capsys)
     assert main(["ckpt", "list", "latest", "--runs-dir", str(runs), "--run-name", "exp"]) == 0
     out = capsys.readouterr().out
     assert "step-00000004" in out and "step-00000005" in out and "step-00000001" not in out
+
+
+def test_checkpoints_kept_in_checkpoint_dir_are_found_for_the_run_and_for_latest(tmp_path):
+    runs, folder = tmp_path / "runs", tmp_path / "elsewhere"
+    for step in (2, 4):
+        write_checkpoint(str(folder), step, run_id="a", created=2e9 + step)
+    run_dir = a_run_with_checkpoint_dir(runs / "exp-job-1", folder, "a")
+    older = a_run(runs / "exp-job-0", 9, created=1e9)
+    age(run_dir, older)
+    assert both(str(run_dir)) == f"{folder}/step-00000004"
+    assert resolve("latest", {}, Runs(str(runs), "exp")).location == f"{folder}/step-00000004"
+    config, resume = _resume_target(load_config(None, [f"--run.dir={runs}", "--run.name=exp",
+                                                       f"--checkpoint.dir={folder}"]), "latest")
+    assert (Path(config.run.run_dir), resume) == (run_dir, "auto")
+    own_root = checkpoint_root(config.checkpoint, run_dir)
+    assert choose_resume_point(resume, own_root, config.checkpoint, False, print).name == "step-00000004"
+
+
+def test_of_runs_sharing_a_checkpoint_dir_latest_is_the_one_that_saved_its_newest_checkpoint(tmp_path):
+    """One checkpoint.dir for every run of a config: the runs continue one line of steps,
+    and the run continued is the one whose newest checkpoint it is."""
+    runs, shared = tmp_path / "runs", tmp_path / "shared"
+    first = a_run_with_checkpoint_dir(runs / "exp-1", shared, "run-1")
+    second = a_run_with_checkpoint_dir(runs / "exp-2", shared, "run-2")
+    write_checkpoint(str(shared), 2, run_id="run-1", created=1e9)
+    write_checkpoint(str(shared), 4, run_id="run-2", created=2e9)  # the second run resumed from step 2
+    age(second, first)
+    assert latest_run_dir(Runs(str(runs), "exp")) == second
+    write_checkpoint(str(shared), 6, run_id="run-1", created=3e9)  # and then the first from step 4
+    age(first, second)
+    assert latest_run_dir(Runs(str(runs), "exp")) == first
+    assert resolve("latest", {}, Runs(str(runs), "exp")).location == f"{shared}/step-00000006"
 
 
 def test_latest_without_a_run_is_a_clear_error(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The checkpoint manager in one process: commit protocol, retention, failures, verification,
-and several runs sharing one checkpoint folder."""
+and several runs sharing one checkpoint folder; on two ranks, the one run id of a job."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.state import tensor_state
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.load import load_config
+from tests.ranks import run_on_ranks
 
 
 @pytest.fixture
@@ -220,3 +221,21 @@ def test_in_place_saves_of_two_runs_do_not_collide(one_rank, model_and_optimizer
     assert verify(store, "/shared-folder/step-00000007")[1] is None
     assert not fs.exists("/shared-folder/step-00000007/run_id.txt")
     fs.rm("/shared-folder", recursive=True)
+
+
+def _save_without_a_run_id(rank: int, world_size: int, root: str) -> str:
+    cfg = load_config(None, ["--checkpoint.async_save=false"]).checkpoint
+    manager = CheckpointManager(cfg, CheckpointStore(root), rank, facts={"world_size": world_size})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    manager.save(1, state(model, torch.optim.AdamW(model.parameters())), {"step": 1}, {})
+    return manager.run_id
+
+
+def test_ranks_given_no_run_id_take_one_between_them(tmp_path):
+    """Ranks stage their shards under the run id: two ids in one job would split a save."""
+    ids = run_on_ranks(_save_without_a_run_id, str(tmp_path))
+    assert ids[0] == ids[1] and len(ids[0]) == 12
+    manifest, problem = verify(CheckpointStore(str(tmp_path)), str(tmp_path / "step-00000001"))
+    assert problem is None and manifest["run_id"] == ids[0] and manifest["world_size"] == 2
+    assert sorted({entry["rank"] for entry in manifest["files"].values()}) == [0, 1]

@@ -184,7 +184,7 @@ def call_cli(argv: list[str], capsys) -> tuple[int, str]:
 def stop_at_launch(monkeypatch) -> list[int]:
     """Let ``meshyard run`` do everything up to starting workers; record the world sizes."""
     started: list[int] = []
-    monkeypatch.setattr(meshyard.api, "launch_local", lambda fn, args, nproc, *rest: started.append(nproc) or [None])
+    monkeypatch.setattr(meshyard.api, "launch_local", lambda fn, args, nproc, *rest: started.append(nproc) or {0: None})
     monkeypatch.setattr(meshyard.api, "run_worker", lambda *args: started.append(1))
     return started
 

@@ -13,11 +13,11 @@ from meshyard.doctor.report import write_report
 
 
 def fake_run(tmp_path, data=0.05, forward=0.3, backward=0.45, comm=0.1, optimizer=0.1, mfu=0.5, memory=0.3,
-             busy=(0.1, 0.1), stragglers=()):
+             busy=(0.1, 0.1), stragglers=(), straggler_hosts=None, hosts=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
     capacity = 80 * 2**30
-    (tmp_path / "run.json").write_text(json.dumps({"world_size": 2, "memory_capacity_bytes": capacity,
-                                                   "local_world_size": 1, "grad_accum": 1}))
+    facts = {"world_size": 2, "memory_capacity_bytes": capacity, "local_world_size": 1, "grad_accum": 1}
+    (tmp_path / "run.json").write_text(json.dumps({**facts, **({"hosts": hosts} if hosts else {})}))
     lines = []
     for step in range(1, 41):
         record = {"step": step, "loss": 3.0, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_s": 1000.0,
@@ -27,6 +27,8 @@ def fake_run(tmp_path, data=0.05, forward=0.3, backward=0.45, comm=0.1, optimize
         if step % 10 == 0:
             record["ranks"] = {"busy_s": list(busy), "step_time_s": [0.1, 0.1]}
             record["stragglers"] = list(stragglers)
+            if straggler_hosts is not None:
+                record["straggler_hosts"] = list(straggler_hosts)
             record["eval_loss"] = 3.1
         lines.append(json.dumps(record))
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -53,6 +55,21 @@ def test_verdicts(tmp_path, figures, verdict, advice_key):
 def test_straggler_comes_first_and_secondary_findings_stay(tmp_path):
     diagnosis = diagnose(fake_run(tmp_path, comm=0.4, backward=0.2, busy=(0.1, 0.2), stragglers=(1,)))
     assert [f.verdict for f in diagnosis.findings] == ["straggler", "communication-bound"]
+
+
+def test_straggler_is_named_with_its_host(tmp_path):
+    """Hosts of one job may share a hostname: the address tells them apart."""
+    hosts = ["node (10.0.0.1)", "node (10.0.0.2)"]
+    run_dir = fake_run(tmp_path / "run", busy=(0.1, 0.2), stragglers=(1,), straggler_hosts=hosts[1:], hosts=hosts)
+    finding = diagnose(run_dir).findings[0]
+    assert finding.evidence[0].startswith("rank 1 on node (10.0.0.2) was the slowest in 4 of 4 gathered windows")
+    assert finding.advice[0].startswith("check node (10.0.0.2), the host of rank 1, and its device: ")
+    page = write_report(run_dir, tmp_path / "page.html").read_text()
+    assert "rank 1 on node (10.0.0.2) was the slowest" in page
+    # Records from before hosts were recorded name the rank alone.
+    finding = diagnose(fake_run(tmp_path / "old", busy=(0.1, 0.2), stragglers=(1,))).findings[0]
+    assert finding.evidence[0].startswith("rank 1 was the slowest")
+    assert finding.advice[0].startswith("check the host and device of rank 1: ")
 
 
 def test_report_is_self_contained_html(tmp_path):

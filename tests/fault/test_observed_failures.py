@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -39,12 +40,21 @@ def test_sleeping_rank_is_named_straggler(tmp_path):
     result = meshyard.run(cfg, nproc=2)
     records = result.metrics()
     assert [r["stragglers"] for r in records if "stragglers" in r][1:] == [[1], [1], [1]]
+    host = _one_host(json.loads((result.run_dir / "run.json").read_text())["hosts"])
+    assert [r["straggler_hosts"] for r in records if "stragglers" in r][1:] == [[host]] * 3
     # Everyone's step takes as long; the straggler is the rank busy, not waiting.
     last = [r for r in records if "ranks" in r][-1]["ranks"]
     assert last["busy_s"][1] > 1.25 * last["busy_s"][0] and last["comm_s"][0] > last["comm_s"][1]
     diagnosis = diagnose(result.run_dir)
-    assert diagnosis.verdict == "straggler" and "rank 1" in diagnosis.findings[0].evidence[0]
-    assert "straggler at step" in (result.run_dir / "logs" / "rank0.log").read_text()
+    assert diagnosis.verdict == "straggler" and f"rank 1 on {host} was the slowest" in diagnosis.findings[0].evidence[0]
+    assert f"straggler at step 6: rank 1 on {host}, " in (result.run_dir / "logs" / "rank0.log").read_text()
+
+
+def _one_host(hosts: list[str]) -> str:
+    """The label both local ranks share: this machine's hostname (its master is reached
+    over loopback, so no address is added)."""
+    assert len(hosts) == 2 and hosts[0] == hosts[1] and hosts[0].startswith(socket.gethostname()), hosts
+    return hosts[0]
 
 
 def test_hang_watchdog_names_the_rank_that_never_arrived(tmp_path):
@@ -60,12 +70,13 @@ def test_hang_watchdog_names_the_rank_that_never_arrived(tmp_path):
     assert report["positions"]["1"]["phase"] == "forward" and report["positions"]["1"]["step"] == 4
     assert report["positions"]["0"]["phase"] == "backward"  # waiting in the gradient all-reduce
     assert "gradient all-reduce" in " ".join(report["others_wait_in"])
+    host = _one_host(report["hosts"])
     for rank in (0, 1):
         stacks = (hang / f"rank{rank}.txt").read_text()
         assert "made no progress" in stacks and "File " in stacks
     assert "time.sleep" in (hang / "rank1.txt").read_text() or "faulty_plugins.py" in (hang / "rank1.txt").read_text()
     log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
-    assert "for rank 1 (step 4, forward)" in log
+    assert f"for rank 1 on {host} (step 4, forward)" in log
 
 
 def test_nonfinite_loss_is_reported_with_step_and_rank(tmp_path):

@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from meshyard.fault.watchdog import COLLECTIVE_OF_PHASE, WATCHED_POSITIONS, HangWatchdog, laggards
+from meshyard.fault.watchdog import COLLECTIVE_OF_PHASE, WATCHED_POSITIONS, HangWatchdog, hang_message, laggards
 
 
 def test_watched_positions_follow_the_step_phases():
@@ -27,7 +27,8 @@ def test_laggards_are_the_earliest_ranks():
 def test_fires_once_after_the_timeout_and_not_while_progressing(tmp_path):
     store = dist.HashStore()
     messages: list[str] = []
-    dog = HangWatchdog(tmp_path, 0, 1, store, timeout_s=0.5, abort=False, report=messages.append)
+    dog = HangWatchdog(tmp_path, 0, 1, store, timeout_s=0.5, abort=False, report=messages.append,
+                       hosts=["node1 (10.0.0.1)"])
     try:
         for step in range(1, 8):  # steady progress: no alarm
             dog.at("forward", step)
@@ -38,9 +39,33 @@ def test_fires_once_after_the_timeout_and_not_while_progressing(tmp_path):
         assert "every rank is at step 7, phase forward" in messages[0]
         report = json.loads((tmp_path / "hang" / "report-rank0.json").read_text())
         assert report["positions"]["0"]["step"] == 7
-        assert "test_fires_once" in (tmp_path / "hang" / "rank0.txt").read_text()  # the main thread's stack
+        assert report["host"] == "node1 (10.0.0.1)" and report["hosts"] == ["node1 (10.0.0.1)"]
+        stacks = (tmp_path / "hang" / "rank0.txt").read_text()
+        assert stacks.startswith("rank 0 on node1 (10.0.0.1) made no progress for ")
+        assert "test_fires_once" in stacks  # the main thread's stack
     finally:
         dog.stop()
+
+
+def _report(behind: list[int], missing: list[int], hosts: list[str]) -> dict:
+    positions = {0: {"step": 5, "phase": "backward"}, 1: {"step": 5, "phase": "forward"},
+                 2: {"step": 5, "phase": "backward"}}
+    return {"stalled_s": 31.0, "step": 5, "phase": "backward", "behind": behind, "missing": missing,
+            "positions": {r: p for r, p in positions.items() if r not in missing}, "hosts": hosts,
+            "others_wait_in": [COLLECTIVE_OF_PHASE["backward"]]}
+
+
+def test_hang_message_names_the_hosts_of_ranks_behind_and_of_silent_ones():
+    """Hosts sharing a hostname are told apart by their address."""
+    hosts = ["node (10.0.0.1)", "node (10.0.0.2)", "node (10.0.0.1)", "node (10.0.0.3)"]
+    assert hang_message(_report([1], [3], hosts)) == (
+        "hang: no progress for 31s; the other ranks wait in gradient all-reduce / reduce-scatter for rank 1 on "
+        "node (10.0.0.2) (step 5, forward); no position ever came from rank 3 on node (10.0.0.3)")
+    assert hang_message(_report([], [1], hosts)) == (
+        "hang: no progress for 31s; every rank heard from is at step 5, phase backward (a collective that never "
+        "completes); no position ever came from rank 1 on node (10.0.0.2)")
+    # Hosts not gathered: ranks alone, as before.
+    assert "for rank 1 (step 5, forward)" in hang_message(_report([1], [], []))
 
 
 def _wait_for(condition, seconds: float) -> None:

@@ -7,6 +7,7 @@ import torch
 
 import meshyard
 from meshyard.metrics.ranks import find_stragglers
+from meshyard.metrics.records import straggler_message
 from meshyard.metrics.throughput import catalog_peak, training_flops_per_token
 from meshyard.models.gpt import GPT, GPTShape
 
@@ -44,6 +45,15 @@ def test_find_stragglers_uses_the_median():
     assert find_stragglers([0.10, 0.11, 0.10, 0.30], 1.25) == [3]
     assert find_stragglers([0.10, 0.12], 1.25) == []
     assert find_stragglers([0.1], 1.25) == []
+
+
+def test_straggler_message_names_each_straggler_with_its_host():
+    record = {"step": 12, "ranks": {"busy_s": [0.04, 0.08, 0.04, 0.09]}, "stragglers": [1, 3],
+              "straggler_hosts": ["node (10.0.0.2)", "node (10.0.0.3)"]}
+    assert straggler_message(record) == ("straggler at step 12: rank 1 on node (10.0.0.2), 80 ms busy; rank 3 on "
+                                         "node (10.0.0.3), 90 ms busy; median of all ranks 60 ms")
+    del record["straggler_hosts"]  # a record from a run whose hosts were not gathered
+    assert straggler_message(record).startswith("straggler at step 12: rank 1, 80 ms busy; rank 3, 90 ms busy")
 
 
 def test_flops_and_catalog_peaks():

@@ -59,8 +59,8 @@ def test_every_record_of_a_real_run_validates(make_config):
         assert validate_record(record) == [], record
     seen = set().union(*records)
     expected = {*PHASE_KEYS, "other_s", "busy_s", "mfu", "model_tflops", "loss_scale", "rss_bytes", "peak_rss_bytes",
-                *keys_from("comm.accounting"), "ranks", "stragglers", "eval_loss", "checkpoint_stall_s",
-                "checkpoint_step", "checkpoint_s", "checkpoint_commit_s"}
+                *keys_from("comm.accounting"), "ranks", "stragglers", "straggler_hosts", "eval_loss",
+                "checkpoint_stall_s", "checkpoint_step", "checkpoint_s", "checkpoint_commit_s"}
     assert expected <= seen, expected - seen
     assert set(records[1]["ranks"]) == set(RANK_FIELDS)
 
@@ -71,6 +71,7 @@ def _good_record() -> dict:
     return {"step": 3, "loss": 4.5, "lr": 1e-3, "grad_norm": 0.7, "step_time_s": 0.1, "data_time_s": 0.01,
             "tokens_per_s": 2560.0, "samples_per_s": 80.0, "tokens_seen": 768, "time": 1.7e9,
             "forward_s": 0.03, "rss_bytes": 2**28, "ranks": {"busy_s": [0.09, 0.1]}, "stragglers": [1],
+            "straggler_hosts": ["node (10.0.0.2)"],
             "nonfinite": [{"rank": 0, "what": "loss", "value": "nan"}], "checkpoint_error": "disk full"}
 
 
@@ -93,6 +94,7 @@ def test_validate_record_names_missing_unknown_and_mistyped_keys():
     ({"step": True}, "'step' is bool, expected int"),  # JSON true is not a number
     ({"eval_loss": None}, "'eval_loss' is null, expected float or int"),
     ({"stragglers": ["1"]}, "'stragglers'[0] is str, expected int"),
+    ({"straggler_hosts": [1]}, "'straggler_hosts'[0] is int, expected str"),
     ({"ranks": {"busy_s": 0.1}}, "'ranks.busy_s' is not a list of numbers (one per rank)"),
     ({"ranks": {"speed": [1.0]}}, "unknown per-rank figure 'ranks.speed'"),
 ])

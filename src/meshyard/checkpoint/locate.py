@@ -8,10 +8,11 @@ names one of:
   that never finished has no manifest: it is still the checkpoint named, reported as not
   valid rather than "not found");
 - a checkpoint folder: it holds ``step-NNNNNNNN`` checkpoints (``checkpoint.dir``);
-- a run directory: its ``checkpoints`` folder holds them;
-- ``latest``: the newest run directory named ``<run.name>`` or ``<run.name>-*`` under
-  ``run.dir`` that holds checkpoints (the word is a keyword; write ``./latest`` for a
-  folder of that name).
+- a run directory: the checkpoint folder its ``run.json`` records (``checkpoint.dir``
+  when the run set one), else its ``checkpoints`` folder, holds them;
+- ``latest``: the run directory named ``<run.name>`` or ``<run.name>-*`` under
+  ``run.dir`` whose checkpoints were committed last (the word is a keyword; write
+  ``./latest`` for a folder of that name).
 
 They are tried in exactly that order, and the first that matches decides, even if it
 holds nothing valid. The order goes from the most specific reading to the least: each
@@ -21,6 +22,12 @@ and also a ``checkpoints`` folder of them (a run whose ``checkpoint.dir`` was it
 directory, reused with the default); its own checkpoints are the ones the user pointed at,
 and this is the order ``--resume`` always used, so resuming picks the same checkpoint as
 before.
+
+A ``checkpoint.dir`` is one folder for every run of the config that sets it, not one per
+run: the runs that resume from it continue one line of steps, each manifest naming the run
+that saved it. Out of such a folder, too, the checkpoint of the highest step is the
+newest, whichever run saved it; ``latest`` then takes the run that saved it, so the run
+continued is the one whose checkpoints they are (see ``latest_run_dir``).
 
 Out of a folder the newest valid checkpoint is taken (manifests and file sizes; checksums
 are the caller's, see ``resume.agree_resume_point``), older ones after a report of why the
@@ -37,9 +44,11 @@ from typing import Any, Callable, Mapping, NamedTuple
 from meshyard.checkpoint.manager import find_latest_valid, step_of
 from meshyard.checkpoint.manifest import MANIFEST, verify
 from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.run_dir import RUN_ID_FILE
 
 LATEST_RUN = "latest"
 RUN_CHECKPOINTS = "checkpoints"  # the checkpoint folder inside a run directory
+RUN_RECORD = "run.json"  # a run directory's record: its run id and checkpoint folder among its facts
 KINDS = ("give a checkpoint (a folder with manifest.json), a folder of step-NNNNNNNN checkpoints, "
          "a run directory, or 'latest'")
 
@@ -108,17 +117,86 @@ def _step_names(root: str, options: dict[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(n for n in store.list_dir(store.root) if step_of(n) is not None))
 
 
-def latest_run_dir(runs: Runs) -> Path:
-    """The newest (by modification time) run directory ``<dir>/<name>`` or
-    ``<dir>/<name>-*`` whose ``checkpoints`` folder holds ``step-NNNNNNNN`` entries."""
+def run_checkpoints(run_dir: str, options: dict[str, Any]) -> str:
+    """The checkpoint folder of the run in ``run_dir``: the one its ``run.json`` records
+    (a ``checkpoint.dir`` of its own), else its ``checkpoints`` folder."""
+    return _checkpoints_of(run_dir, _run_record(run_dir, options))
+
+
+def _checkpoints_of(run_dir: str, record: dict[str, Any]) -> str:
+    recorded = record.get("checkpoints")
+    return str(recorded) if recorded else join(run_dir, RUN_CHECKPOINTS)
+
+
+def _run_record(run_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The run's ``run.json``; empty when it has none or it cannot be read."""
+    try:
+        store = CheckpointStore(run_dir, options)
+        record = store.read_json(store.path(RUN_RECORD))
+    except (OSError, ValueError, ImportError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def latest_run_dir(runs: Runs, options: dict[str, Any] | None = None) -> Path:
+    """The run directory ``<dir>/<name>`` or ``<dir>/<name>-*`` whose newest checkpoint
+    (the one of the highest step in its checkpoint folder) was committed last.
+
+    The time is the commit's, from that checkpoint's manifest: a folder's modification
+    time moves with every log line and copy. Runs that share a ``checkpoint.dir`` share
+    that newest checkpoint; of those, the run that saved it is taken. ``options`` are the
+    storage options of checkpoint folders that are URLs."""
+    options = options or {}
     base = Path(runs.dir).expanduser().resolve()
-    candidates = [p for p in base.glob(f"{runs.name}*") if (p.name == runs.name or p.name.startswith(f"{runs.name}-"))
-                  and _step_names(str(p / RUN_CHECKPOINTS), {})]
-    if not candidates:
+    ranked = [(_recency(path, options), path) for path in sorted(base.glob(f"{runs.name}*"))
+              if path.is_dir() and (path.name == runs.name or path.name.startswith(f"{runs.name}-"))]
+    ranked = [(recency, path) for recency, path in ranked if recency is not None]
+    if not ranked:
         raise LocationError(f"{LATEST_RUN}: no run directory named '{runs.name}' or '{runs.name}-*' under {base} "
                             f"has checkpoints; check the folder and run name searched (run.dir, run.name), or give a "
                             "checkpoint's path instead")
-    return max(candidates, key=lambda p: p.stat().st_mtime)
+    return max(ranked, key=lambda item: item[0])[1]
+
+
+def _recency(run_dir: Path, options: dict[str, Any]) -> tuple[float, bool, float] | None:
+    """How recent the run's checkpoints are, to compare runs by: the commit time of its
+    newest checkpoint, whether the run saved that one itself, then the folder's
+    modification time (for checkpoints without a readable manifest). None without any."""
+    record = _run_record(str(run_dir), options)
+    root = _checkpoints_of(str(run_dir), record)
+    try:
+        names = _step_names(root, options)
+    except (LocationError, OSError):  # a recorded folder that cannot be opened or read here
+        return None
+    if not names:
+        return None
+    manifest = _newest_manifest(root, names, options)
+    run_id = record.get("run_id") or _kept_run_id(run_dir)
+    saved_it = bool(run_id) and manifest.get("run_id") == run_id
+    created = manifest.get("created")
+    return float(created) if isinstance(created, (int, float)) else 0.0, saved_it, run_dir.stat().st_mtime
+
+
+def _newest_manifest(root: str, names: tuple[str, ...], options: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of the highest step among ``names`` that has a readable one ({} if none)."""
+    store = _store(root, options)
+    for name in reversed(names):
+        try:
+            manifest = store.read_json(store.path(name, MANIFEST))
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict):
+            return manifest
+    return {}
+
+
+def _kept_run_id(run_dir: Path) -> str:
+    """The run id kept in the run directory (``run_dir.run_id_of``), for runs whose
+    run.json predates recording it."""
+    try:
+        return (run_dir / RUN_ID_FILE).read_text().strip()
+    except OSError:
+        return ""
 
 
 def find_checkpoints(location: str, options: dict[str, Any], runs: Runs | None = None) -> Candidates:
@@ -127,7 +205,7 @@ def find_checkpoints(location: str, options: dict[str, Any], runs: Runs | None =
     if location == LATEST_RUN:
         if runs is None:
             raise LocationError(f"{LATEST_RUN}: which runs to look in is not known here; give a path instead")
-        root = str(latest_run_dir(runs) / RUN_CHECKPOINTS)
+        root = run_checkpoints(str(latest_run_dir(runs, options)), options)
         return Candidates(root, _step_names(root, options), exact=False)
     store = _store(location, options)
     if not store.exists(store.root):
@@ -135,12 +213,13 @@ def find_checkpoints(location: str, options: dict[str, Any], runs: Runs | None =
     if store.exists(store.path(MANIFEST)) or step_of(_split(location)[1]) is not None:
         parent, name = _split(location)
         return Candidates(parent, (name,), exact=True)
-    for root in (location, join(location, RUN_CHECKPOINTS)):
+    for root in dict.fromkeys((location, run_checkpoints(location, options), join(location, RUN_CHECKPOINTS))):
         names = _step_names(root, options)
         if names:
             return Candidates(root, names, exact=False)
     raise LocationError(f"{location} holds no checkpoint: it has no {MANIFEST}, and neither it nor its "
-                        f"'{RUN_CHECKPOINTS}' folder holds step-NNNNNNNN checkpoints; {KINDS}")
+                        f"'{RUN_CHECKPOINTS}' folder (nor a checkpoint folder its {RUN_RECORD} records) holds "
+                        f"step-NNNNNNNN checkpoints; {KINDS}")
 
 
 def newest_valid(root: str, options: dict[str, Any], report: Callable[[str], None],

@@ -13,6 +13,10 @@ process group of their own (DCP's collectives must not interleave with training'
 0 commits in that thread too, after the write, with file operations only (no collective).
 At most one save is in flight, and a failed one is reported, never silently dropped.
 
+When the manager opens the checkpoint root, the ranks check together that they all see
+the same storage (``shared``): a local folder that is not common to every node is
+refused before any save or load.
+
 Several runs may share one checkpoint folder: every manifest carries the id of the run
 that saved it, and a run deletes only its own partial saves and retired checkpoints, and
 never writes over another run's checkpoint.
@@ -34,8 +38,10 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from meshyard.checkpoint.digests import DCP_METADATA, collect_records, digest_files, remove_records
 from meshyard.checkpoint.manifest import MANIFEST, build_manifest, owner, verify
+from meshyard.checkpoint.shared import require_shared_storage
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
+from meshyard.runtime.distributed import rank0_decides
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -82,6 +88,17 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def agreed_run_id(run_id: str | None) -> str:
+    """``run_id``, or else rank 0's new one on every rank: ranks stage their shards under
+    the run id, so one job must never hold two."""
+    if run_id:
+        return run_id
+    box = [new_run_id() if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 class CheckpointManager:
     """Owns one checkpoint root; call ``save`` at step boundaries and ``poll`` every step."""
 
@@ -90,13 +107,14 @@ class CheckpointManager:
                  run_id: str | None = None) -> None:
         """``facts`` (world size, layout, config and its hash) go into every manifest.
         ``run_id`` (the same on every rank) marks this run's checkpoints; keep it across
-        restarts of the run, or its older checkpoints count as another run's."""
+        restarts of the run, or its older checkpoints count as another run's. Without
+        one, every rank takes rank 0's new id (a collective: every rank constructs)."""
         self.cfg = cfg
         self.facts = dict(facts or {})
         self.store = store
         self.rank = rank
         self.world_size = dist.get_world_size()
-        self.run_id = run_id or new_run_id()
+        self.run_id = agreed_run_id(run_id)
         self.report = report
         self._pending: PendingSave | None = None
         self.outcomes: list[SaveOutcome] = []
@@ -105,11 +123,17 @@ class CheckpointManager:
         # gloo group they cannot interleave with the training step's collectives.
         self._group = dist.new_group(backend="gloo") if cfg.async_save else None
         self._background = ThreadPoolExecutor(1, "meshyard-checkpoint") if cfg.async_save else None
-        if rank == 0:
-            store.makedirs(store.root)
-            self._remove_stale_staging()
+        rank0_decides(self._prepare_root)  # a failure there is raised on every rank, none left waiting
+        # Before any save or load: ranks on nodes without a common folder are refused now,
+        # not at the first commit.
+        require_shared_storage(store, rank, self.world_size, _folder_label(cfg, store), tag=self.run_id)
 
     enabled = True
+
+    def _prepare_root(self) -> None:
+        """Rank 0 creates the root and removes what a crashed earlier start of this run left."""
+        self.store.makedirs(self.store.root)
+        self._remove_stale_staging()
 
     @property
     def save_final(self) -> bool:
@@ -357,6 +381,13 @@ def find_latest_valid(store: CheckpointStore, checksums: bool = True, report: Ca
 
 def read_trainer_state(store: CheckpointStore, name: str) -> dict[str, Any]:
     return store.read_json(store.path(name, TRAINER_STATE))
+
+
+def _folder_label(cfg: CheckpointConfig, store: CheckpointStore) -> str:
+    """How a message names the checkpoint folder: by the setting that chose it."""
+    if cfg.dir:
+        return f"checkpoint.dir = '{cfg.dir}'"
+    return f"the checkpoint folder {store.url} (in the run directory, as checkpoint.dir is empty)"
 
 
 def _describe(error: BaseException) -> str:

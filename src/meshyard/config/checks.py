@@ -222,4 +222,60 @@ def _run_problems(r: RunConfig) -> list[str]:
         (r.nproc >= 0, f"run.nproc = {r.nproc} must not be negative (0 starts one per visible GPU)"),
         (0 <= r.threads_per_rank < 2 ** 31,  # torch.set_num_threads takes a C int
          f"run.threads_per_rank = {r.threads_per_rank} must be in [0, 2147483647]"),
+    ]) + _node_problems(r)
+
+
+DEFAULT_RDZV_PORT = 29400
+"""The rendezvous port when run.rdzv_endpoint names none (torchrun's default)."""
+
+
+def node_range(nnodes: str) -> tuple[int, int] | None:
+    """``"N"`` -> (N, N) and ``"MIN:MAX"`` -> (MIN, MAX); None when it is neither."""
+    low, _, high = str(nnodes).strip().partition(":")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        return None
+    return bounds if 1 <= bounds[0] <= bounds[1] else None
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[v6]:PORT`` for IPv6) -> (host, port); ValueError when malformed."""
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""
+    number = int(port) if port else DEFAULT_RDZV_PORT
+    if not host or not 0 < number < 65536:
+        raise ValueError(endpoint)
+    return host, number
+
+
+def _node_problems(r: RunConfig) -> list[str]:
+    bounds = node_range(r.nnodes)
+    if bounds is None:
+        return [f"run.nnodes = '{r.nnodes}' is neither a node count ('2') nor a range 'MIN:MAX' ('1:4') of "
+                "positive counts"]
+    problems = []
+    if r.rdzv_endpoint:
+        try:
+            split_endpoint(r.rdzv_endpoint)
+        except ValueError:
+            problems.append(f"run.rdzv_endpoint = '{r.rdzv_endpoint}' is not HOST[:PORT] (e.g. 10.0.0.1:29400, "
+                            "[fd00::1]:29400) with a port in 1-65535")
+    elif bounds[1] > 1:
+        problems.append(f"run.nnodes = '{r.nnodes}' needs run.rdzv_endpoint (--rdzv-endpoint HOST:PORT): an "
+                        "address of one of the nodes that every node reaches")
+    if r.node_rank >= 0 and bounds[0] != bounds[1]:
+        problems.append(f"run.node_rank = {r.node_rank} fixes the nodes' ranks, which an elastic range "
+                        f"run.nnodes = '{r.nnodes}' cannot keep; leave run.node_rank at -1")
+    elif r.node_rank >= bounds[1]:
+        problems.append(f"run.node_rank = {r.node_rank} must be below run.nnodes = {bounds[1]}")
+    return problems + _failed([
+        (r.rdzv_timeout_s > 0, f"run.rdzv_timeout_s = {r.rdzv_timeout_s} must be positive"),
+        (r.rdzv_last_call_s >= 0, f"run.rdzv_last_call_s = {r.rdzv_last_call_s} must not be negative"),
     ])

@@ -133,6 +133,10 @@ def coerce(value: Any, tp: Any, where: str) -> tuple[Any, str | None]:
         if ok and not math.isfinite(value):  # TOML spells them nan and inf; no field means either
             return value, f"{where} = {value!r} should be a finite number"
     elif tp is str:
+        # A whole number where text is expected (nnodes = 2, a numeric job id given on a
+        # command line) means its digits.
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
         ok = isinstance(value, str)
     elif tp is list:
         ok = isinstance(value, list)

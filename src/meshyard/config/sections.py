@@ -258,13 +258,33 @@ class MetricsConfig:
 class RunConfig:
     """Identity of the run, its directory and its local processes."""
 
-    name: str = option("meshyard", "Run name; the run directory is <dir>/<name>-<timestamp>.")
+    name: str = option("meshyard", "Run name; the run directory is <dir>/<name>-<job id> in a job with an id (run.rdzv_id, the scheduler's), else <dir>/<name>-<timestamp>.")
     dir: str = option("runs", "Parent folder of run directories.")
     run_dir: str = option("", "Exact run directory to use (overrides dir/name); reused if it exists.")
     nproc: int = option(
-        0, "Local worker processes started by 'meshyard run' (ignored under torchrun/Slurm); 0 starts one per "
-        "visible GPU when the run uses CUDA, else 2.",
+        0, "Worker processes 'meshyard run' starts on this node (torchrun's --nproc-per-node; ignored under "
+        "torchrun/Slurm); 0 starts one per visible GPU when the run uses CUDA, else 2.",
     )
+    nnodes: str = option(
+        "1", "Nodes of the job: 'N', or 'MIN:MAX' to let nodes leave and join while it runs (elastic). Above 1, "
+        "every node runs the same 'meshyard run' with run.rdzv_endpoint and run.rdzv_id.",
+    )
+    rdzv_endpoint: str = option(
+        "", "HOST[:PORT] where the nodes meet (port 29400 by default): an address every node reaches; the node "
+        "that owns it serves the rendezvous. Needed for more than one node.",
+    )
+    rdzv_id: str = option(
+        "", "Id of the job, the same on every node and every restart: it names the run directory "
+        "(<dir>/<name>-<id>), so a restarted job finds its checkpoints. Empty: the scheduler's job id.",
+    )
+    node_rank: int = option(
+        -1, "This node's rank (0 serves the rendezvous) for a fixed node count, as torchrun's --node-rank; -1 "
+        "lets the rendezvous number the nodes as they arrive, which elastic ranges need.",
+    )
+    rdzv_timeout_s: float = option(
+        900.0, "Seconds a node waits for the others to join, at the start and after a failure, before giving up.")
+    rdzv_last_call_s: float = option(
+        30.0, "With MIN:MAX nodes: seconds the rendezvous waits for more nodes once MIN have joined.")
     device: Literal["auto", "cpu", "cuda"] = option("auto", "Device: 'auto' picks CUDA when present, else CPU.")
     share_gpus: bool = option(
         False, "Let several ranks compute on one GPU (more ranks than GPUs); their collectives then go through "

@@ -22,6 +22,7 @@ from meshyard.config.load import load_config
 from meshyard.config.sections import Config
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
+from meshyard.runtime.hosts import host_of, rank_on_host
 
 DATA_BOUND_SHARE = 0.20
 COMM_BOUND_SHARE = 0.25
@@ -50,6 +51,8 @@ class RunEvidence:
     mfu: float | None
     memory_fraction: float | None
     straggler_windows: dict[int, int] = field(default_factory=dict)
+    straggler_hosts: dict[int, str] = field(default_factory=dict)
+    """Each straggler's host, as the latest window naming it recorded it."""
     windows: int = 0
     busy_by_rank: list[float] = field(default_factory=list)
 
@@ -95,8 +98,11 @@ def gather_evidence(facts: dict[str, Any], records: list[dict[str, Any]]) -> Run
     gathered = [r for r in steady if "ranks" in r]
     evidence.windows = len(gathered)
     for record in gathered:
-        for rank in record.get("stragglers", []):
+        hosts = record.get("straggler_hosts", [])
+        for index, rank in enumerate(record.get("stragglers", [])):
             evidence.straggler_windows[rank] = evidence.straggler_windows.get(rank, 0) + 1
+            if host_of(hosts, index):
+                evidence.straggler_hosts[rank] = host_of(hosts, index)
     if gathered:
         busy = [r["ranks"]["busy_s"] for r in gathered]
         evidence.busy_by_rank = [statistics.mean(window[rank] for window in busy) for rank in range(len(busy[0]))]
@@ -140,13 +146,16 @@ def _straggler(ev: RunEvidence, cfg: Config) -> Finding | None:
     if count < max(1, ev.windows // 3):
         return None
     median = statistics.median(ev.busy_by_rank)
+    host = ev.straggler_hosts.get(rank, "")
+    machine = f"{host}, the host of rank {rank}, and its device" if host else f"the host and device of rank {rank}"
     return Finding("straggler", [
-        f"rank {rank} was the slowest in {count} of {ev.windows} gathered windows: {ev.busy_by_rank[rank] * 1000:.0f} ms "
-        f"busy per step against a median of {median * 1000:.0f} ms (threshold x{cfg.metrics.straggler_factor})",
+        f"{rank_on_host(rank, host)} was the slowest in {count} of {ev.windows} gathered windows: "
+        f"{ev.busy_by_rank[rank] * 1000:.0f} ms busy per step against a median of {median * 1000:.0f} ms "
+        f"(threshold x{cfg.metrics.straggler_factor})",
         f"the other ranks wait for it: exposed communication is {_pct(ev.shares['comm'])} of the step",
     ], [
-        f"check the host and device of rank {rank}: throttling (nvidia-smi -q -d PERFORMANCE), other jobs, a slower "
-        "GPU model, or a slower disk feeding its data",
+        f"check {machine}: throttling (nvidia-smi -q -d PERFORMANCE), other jobs, a slower GPU model, or a slower "
+        "disk feeding its data",
         f"if its data loading is slow, raise data.num_workers (now {cfg.data.num_workers}) on that node",
         "restart the job without that node (fault.max_restarts lets the elastic agent resume from the checkpoint)",
     ])

@@ -6,7 +6,7 @@ import base64
 import html
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from meshyard.extras import require
 
@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from meshyard.doctor.diagnose import Diagnosis, diagnose, load_run  # noqa: E402
 from meshyard.metrics.schema import OTHER, PHASES, phase_key  # noqa: E402
+from meshyard.runtime.hosts import host_of, rank_on_host  # noqa: E402
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;color:#1d2330}
@@ -74,12 +75,16 @@ def plot_throughput(records: list[dict[str, Any]]) -> str:
     return _png(fig)
 
 
-def plot_ranks(records: list[dict[str, Any]]) -> str:
+def plot_ranks(records: list[dict[str, Any]], hosts: Sequence[str] = ()) -> str:
+    """Each rank's busy time per gathered window, labelled with its host (``hosts``,
+    indexed by rank, from run.json) when the run recorded one per rank."""
     fig, ax = _figure("Per-rank busy time per step (gathered windows)", "ms")
     gathered = [r for r in records if "ranks" in r]
-    for rank in range(len(gathered[0]["ranks"]["busy_s"]) if gathered else 0):
+    ranks = len(gathered[0]["ranks"]["busy_s"]) if gathered else 0
+    hosts = hosts if len(hosts) == ranks else ()  # another world size (an elastic restart): no guessing
+    for rank in range(ranks):
         ax.plot([r["step"] for r in gathered], [1000 * r["ranks"]["busy_s"][rank] for r in gathered], "o-",
-                label=f"rank {rank}")
+                label=rank_on_host(rank, host_of(hosts, rank)))
     if gathered:
         ax.legend(fontsize=8)
     return _png(fig)
@@ -103,7 +108,8 @@ def render(diagnosis: Diagnosis, facts: dict[str, Any], records: list[dict[str, 
         + "</ul>" for f in diagnosis.findings)
     plots = "".join(f'<figure><img alt="{name}" src="data:image/png;base64,{data}"></figure>' for name, data in (
         ("loss", plot_loss(records)), ("breakdown", plot_breakdown(records)),
-        ("throughput", plot_throughput(records)), ("ranks", plot_ranks(records)), ("memory", plot_memory(records))))
+        ("throughput", plot_throughput(records)), ("ranks", plot_ranks(records, facts.get("hosts", []))),
+        ("memory", plot_memory(records))))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>meshyard report: "
             f"{html.escape(diagnosis.run_dir.name)}</title><style>{_STYLE}</style></head><body>"
             f"<h1>meshyard run {html.escape(diagnosis.run_dir.name)}</h1>"

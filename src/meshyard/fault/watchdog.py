@@ -6,8 +6,10 @@ to the job's rendezvous store about once a second. When this rank makes no progr
 ``timeout`` seconds the thread dumps every Python stack of the process to
 ``<run dir>/hang/rank<N>.txt``, reads every rank's last published position from the
 store and writes ``hang/report-rank<N>.json`` naming the ranks furthest behind: those are
-the ones the others are waiting for. With ``abort`` the process then exits, so the
-elastic agent can restart the job from its last checkpoint.
+the ones the others are waiting for. Ranks are named with their hosts (gathered once at
+start, ``runtime/hosts.py``), since the machine is what a person goes to look at. With
+``abort`` the process then exits, so the elastic agent can restart the job from its last
+checkpoint.
 
 Start-up (building the data and the model, loading and verifying a checkpoint) is one
 long phase, ``starting``, that can take far longer than a step without anything being
@@ -23,11 +25,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 from meshyard.metrics.schema import PHASES
+from meshyard.runtime.hosts import host_of, rank_on_host
 
 EXIT_HUNG = 124  # the exit status of timeout(1): the job was stopped for taking too long
 
@@ -62,9 +65,16 @@ def laggards(positions: dict[int, dict[str, Any]]) -> list[int]:
 
 
 class HangWatchdog:
+    """Watches this rank's progress from a daemon thread (module docstring).
+
+    ``hosts``: every rank's host label, indexed by rank (``gather_host_labels``), so that
+    a hung rank is named with its host; empty when they were not gathered."""
+
     def __init__(self, run_dir: Path, rank: int, world_size: int, store: dist.Store, timeout_s: float,
-                 abort: bool, report: Callable[[str], None], startup_timeout_s: float = 0.0) -> None:
+                 abort: bool, report: Callable[[str], None], startup_timeout_s: float = 0.0,
+                 hosts: Sequence[str] = ()) -> None:
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        self.hosts = list(hosts)
         self.store, self.timeout, self.abort, self.report = store, timeout_s, abort, report
         self.startup_timeout = startup_timeout_s
         self.step, self.phase = 0, "starting"
@@ -127,8 +137,8 @@ class HangWatchdog:
         hang_dir = self.run_dir / "hang"
         hang_dir.mkdir(parents=True, exist_ok=True)
         with open(hang_dir / f"rank{self.rank}.txt", "w") as out:
-            out.write(f"rank {self.rank} made no progress for {stalled_for:.1f}s at step {self.step}, "
-                      f"phase {self.phase}\n\n")
+            out.write(f"{rank_on_host(self.rank, host_of(self.hosts, self.rank))} made no progress for "
+                      f"{stalled_for:.1f}s at step {self.step}, phase {self.phase}\n\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
         time.sleep(min(2.0, limit))  # let the other ranks publish their last position
@@ -136,25 +146,43 @@ class HangWatchdog:
         behind = laggards(positions)
         waiting_in = {p["phase"] for r, p in positions.items() if r not in behind}
         report = {
-            "rank": self.rank, "stalled_s": stalled_for, "timeout_s": limit, "step": self.step, "phase": self.phase,
-            "positions": positions, "behind": behind, "missing": sorted(set(range(self.world_size)) - set(positions)),
+            "rank": self.rank, "host": host_of(self.hosts, self.rank), "stalled_s": stalled_for, "timeout_s": limit,
+            "step": self.step, "phase": self.phase, "positions": positions, "behind": behind,
+            "missing": sorted(set(range(self.world_size)) - set(positions)),
             "others_wait_in": sorted(COLLECTIVE_OF_PHASE.get(p, p) for p in waiting_in),
+            "hosts": self.hosts,
         }
         (hang_dir / f"report-rank{self.rank}.json").write_text(json.dumps(report, indent=2))
-        if starting:
-            message = (f"hang: start-up (building data and model, loading a checkpoint) made no progress for "
-                       f"{stalled_for:.0f}s, more than fault.startup_timeout_s = {limit:g}; raise it if start-up "
-                       "is only slow")
-        elif behind:
-            where = ", ".join(f"rank {r} (step {positions[r]['step']}, {positions[r]['phase']})" for r in behind)
-            message = (f"hang: no progress for {stalled_for:.0f}s; the other ranks wait in "
-                       f"{' / '.join(report['others_wait_in']) or 'a collective'} for {where}")
-        else:
-            message = (f"hang: no progress for {stalled_for:.0f}s; every rank is at step {self.step}, "
-                       f"phase {self.phase} (a collective that never completes)")
+        message = startup_message(stalled_for, limit) if starting else hang_message(report)
         self.report(f"{message}. Stacks in {hang_dir}/rank*.txt")
         if self.abort:
             os._exit(EXIT_HUNG)
+
+
+def startup_message(stalled_for: float, limit: float) -> str:
+    """A start-up that went past ``fault.startup_timeout_s``."""
+    return (f"hang: start-up (building data and model, loading a checkpoint) made no progress for "
+            f"{stalled_for:.0f}s, more than fault.startup_timeout_s = {limit:g}; raise it if start-up is only slow")
+
+
+def hang_message(report: dict[str, Any]) -> str:
+    """A hang report (``hang/report-rank<N>.json``, positions keyed by int rank) in one
+    line: the ranks behind, with their hosts, that the others wait for, or that every rank
+    waits in one collective; and the ranks that never published a position (never
+    started, or stuck before the watchdog's first beat)."""
+    stalled_for, positions, hosts, missing = (report[key] for key in ("stalled_s", "positions", "hosts", "missing"))
+    if report["behind"]:
+        where = ", ".join(f"{rank_on_host(r, host_of(hosts, r))} (step {positions[r]['step']}, "
+                          f"{positions[r]['phase']})" for r in report["behind"])
+        message = (f"hang: no progress for {stalled_for:.0f}s; the other ranks wait in "
+                   f"{' / '.join(report['others_wait_in']) or 'a collective'} for {where}")
+    else:
+        message = (f"hang: no progress for {stalled_for:.0f}s; every rank{' heard from' if missing else ''} is at "
+                   f"step {report['step']}, phase {report['phase']} (a collective that never completes)")
+    if missing:
+        silent = ", ".join(rank_on_host(r, host_of(hosts, r)) for r in missing)
+        message += f"; no position ever came from {silent}"
+    return message
 
 
 class NullWatchdog:

@@ -1,8 +1,10 @@
-"""Start N workers on this machine through torch.distributed's elastic agent.
+"""Start N workers on this machine through torch.distributed's elastic agent, alone or
+as one node of a multi-node job (``meshyard.launch.nodes``).
 
-Using the agent (``torch.distributed.launcher.api``, the engine behind torchrun) rather
-than plain ``multiprocessing`` gives rendezvous, failure detection, worker restarts
-(``fault.max_restarts``) and signal forwarding for free. The rendezvous store listens on
+Using the agent (``torch.distributed.elastic``, the engine behind torchrun) rather than
+plain ``multiprocessing`` gives rendezvous, failure detection, worker restarts
+(``fault.max_restarts``) and signal forwarding for free; ``meshyard.launch.agent`` keeps
+it from restarting preempted workers. A one-node run's rendezvous store listens on
 127.0.0.1 only (``meshyard.launch.rendezvous``).
 
 The agent reports a failed worker in its own way: a multi-line log record per failure,
@@ -26,10 +28,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig
 
+from meshyard.config.load import ConfigError
 from meshyard.fault.failure import RankFailed, WorkerFailure, exit_description, first_failure, first_line
+from meshyard.fault.preemption import EXIT_PREEMPTED
+from meshyard.launch.agent import run_agent
+from meshyard.launch.nodes import Nodes, bind_interface, network_note, node_launch_config, route_for
 from meshyard.launch.rendezvous import BACKEND, LOOPBACK, register_backend
+from meshyard.runtime.network import NetworkError
 
 # Signals on which the agent stops its workers whatever the config says (torch's own
 # default set); the configured preemption signals are added to them.
@@ -130,24 +138,56 @@ def launch_config(nproc: int, max_restarts: int = 0, grace_period_s: float = 30.
 
 def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 0,
                  grace_period_s: float = 30.0, signals: Sequence[str] = (),
-                 run_dir: Path | None = None) -> dict[int, Any]:
-    """Run ``entrypoint(*args)`` in ``nproc`` local processes; returns each rank's return value.
+                 run_dir: Path | None = None, nodes: Nodes | None = None) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` local processes (this node's share of
+    ``nodes`` when given); returns each local rank's return value by global rank.
 
     When this process is told to stop (SIGTERM, SIGINT, or any of ``signals``), the agent
     passes the signal on to the workers, gives them ``grace_period_s`` to save, kills
     those still running, and ``LauncherStopped`` is raised. A failed worker raises
     ``WorkerFailure`` telling the first failure in one paragraph (``run_dir``: where
-    the workers record their failures, and ``logs/agent.log`` goes).
+    the workers record their failures, and ``logs/agent.log`` goes); preempted workers
+    (all exited ``EXIT_PREEMPTED``) raise it with those exit codes.
     """
     config = launch_config(nproc, max_restarts, grace_period_s, signals)
+    chosen: list[str] = []
+    if nodes is not None:
+        config, chosen = _join_nodes(config, nodes)
     try:
         with quiet_agent_logs(run_dir / "logs" / "agent.log" if run_dir is not None else None):
-            return elastic_launch(config, entrypoint)(*args)
+            outcome = run_agent(config, entrypoint, args)
     except SignalException as exc:
         raise LauncherStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
         raise WorkerFailure(_failure_paragraph(exc, run_dir, config), codes) from None
+    except RendezvousError as exc:
+        raise WorkerFailure(_rendezvous_paragraph(exc, nodes), []) from None
+    finally:
+        for name in chosen:  # the workers had them; this process's caller gets its environment back
+            os.environ.pop(name, None)
+    if outcome.preempted:
+        raise WorkerFailure("the workers were preempted", [EXIT_PREEMPTED] * nproc)
+    return outcome.return_values
+
+
+def _join_nodes(config: LaunchConfig, nodes: Nodes) -> tuple[LaunchConfig, list[str]]:
+    """This node's settings in the job of ``nodes``, found from its route to the
+    endpoint; the interface variables it set for the workers."""
+    try:
+        route = route_for(nodes)
+    except NetworkError as exc:
+        raise ConfigError([f"run.rdzv_endpoint: {exc}"], "launch") from None
+    chosen = bind_interface(route, os.environ)
+    print(network_note(nodes, route, os.environ), flush=True)
+    return node_launch_config(nodes, route, config), chosen
+
+
+def _rendezvous_paragraph(exc: RendezvousError, nodes: Nodes | None) -> str:
+    where = nodes.describe() if nodes is not None else "the local rendezvous"
+    return (f"the nodes did not meet ({where}): {type(exc).__name__}: {first_line(str(exc)) or 'no detail'}. "
+            "Every node must run the same command (the same --nnodes, --rdzv-endpoint and --rdzv-id) within "
+            "run.rdzv_timeout_s of each other, and reach the endpoint's host and port")
 
 
 def _failure_paragraph(exc: ChildFailedError, run_dir: Path | None, config: LaunchConfig) -> str:

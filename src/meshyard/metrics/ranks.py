@@ -6,18 +6,20 @@ small all-gather brings them to rank 0 (cheap: one collective per window, not pe
 Step times are equalised by synchronisation (a slow rank makes the others wait in the
 gradient all-reduce), so stragglers are found by *busy* time: step time minus the time
 spent waiting for communication. A rank whose busy time exceeds the median by
-``factor`` is named.
+``factor`` is named, with its host (``runtime/hosts.py``: hosts of one job may share a
+hostname, so a host is named by its hostname and the address that reaches the master).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from meshyard.metrics.schema import RANK_FIELDS
+from meshyard.runtime.hosts import host_of
 
 
 def find_stragglers(busy: list[float], factor: float) -> list[int]:
@@ -29,11 +31,15 @@ def find_stragglers(busy: list[float], factor: float) -> list[int]:
 
 
 class RankWindow:
-    """Accumulates this rank's figures and gathers everyone's every ``every`` steps."""
+    """Accumulates this rank's figures and gathers everyone's every ``every`` steps.
 
-    def __init__(self, every: int, straggler_factor: float) -> None:
+    ``hosts``: every rank's host label, indexed by rank (``gather_host_labels``), to name
+    the stragglers' hosts; empty when they were not gathered."""
+
+    def __init__(self, every: int, straggler_factor: float, hosts: Sequence[str] = ()) -> None:
         self.every = every
         self.factor = straggler_factor
+        self.hosts = list(hosts)
         self._sums = dict.fromkeys(RANK_FIELDS, 0.0)
         self._count = 0
 
@@ -47,7 +53,8 @@ class RankWindow:
 
     def gather(self) -> dict[str, Any] | None:
         """Collective: every rank calls it at the same step. Rank 0 gets
-        ``{"ranks": {field: [per-rank mean]}, "stragglers": [...]}``; the others None."""
+        ``{"ranks": {field: [per-rank mean]}, "stragglers": [rank, ...], "straggler_hosts":
+        [host, ...]}`` (the hosts only when known); the others None."""
         local = torch.tensor([self._sums[f] / self._count for f in RANK_FIELDS], dtype=torch.float64)
         table = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(table, local)
@@ -56,4 +63,8 @@ class RankWindow:
         if dist.get_rank() != 0:
             return None
         per_field = {f: [row[i].item() for row in table] for i, f in enumerate(RANK_FIELDS)}
-        return {"ranks": per_field, "stragglers": find_stragglers(per_field["busy_s"], self.factor)}
+        stragglers = find_stragglers(per_field["busy_s"], self.factor)
+        gathered: dict[str, Any] = {"ranks": per_field, "stragglers": stragglers}
+        if self.hosts:
+            gathered["straggler_hosts"] = [host_of(self.hosts, rank) for rank in stragglers]
+        return gathered

@@ -146,6 +146,9 @@ FIELDS: dict[str, Field] = {
                    "rank (every metrics.gather_every steps)", "metrics.ranks"),
     "stragglers": Field((list,), False, "rank", "ranks whose busy time exceeds the median by "
                         "metrics.straggler_factor (with ranks)", "metrics.ranks", items=COUNT),
+    "straggler_hosts": Field((list,), False, "", "the host of each straggler, in the order of stragglers: "
+                             "'hostname (address that reaches the master)', or the hostname alone (with "
+                             "stragglers, when the ranks' hosts are known)", "metrics.ranks", items=(str,)),
     # checkpoints
     "checkpoint_stall_s": Field(NUMBER, False, "s", "time the previous step's save held training up (on the "
                                 "step after a save)", "train.trainer"),

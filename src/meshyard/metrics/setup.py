@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,15 +24,17 @@ def build_timer(cfg: MetricsConfig, device: torch.device, mark: Callable[[str], 
 
 
 def build_meter(cfg: MetricsConfig, timer: StepTimer | NullStepTimer, model: nn.Module, seq_len: int,
-                device: torch.device, dtype: torch.dtype, world_size: int) -> tuple[StepMeter, dict[str, Any]]:
-    """The step meter, and facts for run.json (FLOPs per token, peak and its source)."""
+                device: torch.device, dtype: torch.dtype, world_size: int,
+                hosts: Sequence[str] = ()) -> tuple[StepMeter, dict[str, Any]]:
+    """The step meter, and facts for run.json (FLOPs per token, peak and its source).
+    ``hosts``: every rank's host label, indexed by rank, to name stragglers' hosts."""
     flops = peak = None
     facts: dict[str, Any] = {}
     if cfg.mfu:
         flops = training_flops_per_token(model, seq_len)
         peak, source = device_peak(device, dtype)
         facts = {"training_flops_per_token": flops, "peak_flops_per_rank": peak, "peak_source": source}
-    window = RankWindow(cfg.gather_every, cfg.straggler_factor) if cfg.gather_every else None
+    window = RankWindow(cfg.gather_every, cfg.straggler_factor, hosts) if cfg.gather_every else None
     return StepMeter(timer, MemoryProbe(device), window, flops, peak, world_size), facts
 
 

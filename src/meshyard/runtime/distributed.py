@@ -110,7 +110,13 @@ def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:
     """
     url = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     store, _, _ = next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
-    restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Only a store the agent shares outlives a round; a store made for the round (rank 0
+    # serves it, as in a multi-node meshyard job) starts empty. There the round is not
+    # named by the restart count, which differs between nodes (a node started again
+    # after a loss counts from 0 while the others count on), so the ranks would wait
+    # for each other under different names.
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "fresh"
     # A process may also join several times (a script calling run_worker twice): every
     # rank does so equally often, so a per-process count keeps those rounds apart too.
     global _JOINS

@@ -3,7 +3,7 @@
 Every rank of a run calls it (``meshyard.worker``); tests and notebooks can call it
 in-process too. The steps, in order, each a function below:
 
-1. observe: display, rank log, hang watchdog, step timer;
+1. observe: every rank's host, display, rank log, hang watchdog, step timer;
 2. layout: ``Layout`` from the parallel config and the world size, the batch plan, the
    one DeviceMesh;
 3. data: the stateful sampler at this rank's data-parallel index;
@@ -50,6 +50,7 @@ from meshyard.parallel.pipeline import example_micro_batch, tied_weight_group
 from meshyard.run_dir import run_id_of
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
+from meshyard.runtime.hosts import gather_host_labels
 from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr
 from meshyard.train.pipeline_step import PipelineStep
 from meshyard.train.precision import build_precision, resolve_dtype
@@ -61,12 +62,14 @@ from meshyard.validate import derive_layout
 
 @dataclass(frozen=True)
 class Observers:
-    """Where a rank reports: the console display (rank 0), its log, the watchdog, the timer."""
+    """Where a rank reports: the console display (rank 0), its log, the watchdog, the timer;
+    and every rank's host label (indexed by rank), to name a rank's host in reports."""
 
     display: ProgressDisplay | NullDisplay
     logger: Any
     watchdog: HangWatchdog | NullWatchdog
     timer: Any
+    hosts: tuple[str, ...] = ()
 
     def report(self, message: str) -> None:
         """A warning for the log and the console."""
@@ -122,11 +125,11 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
     parallelized, facts = build_parallel_model(cfg, runtime, placement, data, dtype, observers)
     meter, throughput_facts = build_meter(cfg.metrics, observers.timer, parallelized.model, cfg.data.seq_len,
-                                          runtime.device, dtype, runtime.world_size)
+                                          runtime.device, dtype, runtime.world_size, observers.hosts)
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
     progress = TrainProgress()
     facts.update(run_facts(cfg, runtime, placement, data, dtype, optimization), **throughput_facts,
-                 memory_capacity_bytes=meter.memory.capacity)
+                 memory_capacity_bytes=meter.memory.capacity, hosts=list(observers.hosts))
     checkpointer = build_checkpointer(cfg, runtime, run_dir, parallelized, optimization, data, placement.batch,
                                       progress, facts, observers.report)
     services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
@@ -140,8 +143,10 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
 
 
 def observe(cfg: Config, runtime: Runtime, run_dir: Path) -> Observers:
-    """The display (rank 0), this rank's log file, the hang watchdog (watching start-up
-    with its own, longer timeout, then each step) and the step timer."""
+    """Every rank's host label (one collective, first: the watchdog names hosts), the
+    display (rank 0), this rank's log file, the hang watchdog (watching start-up with its
+    own, longer timeout, then each step) and the step timer."""
+    hosts = tuple(gather_host_labels())
     display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
                if runtime.is_main else NullDisplay())
     logger = rank_logger(run_dir, runtime.rank)
@@ -149,9 +154,9 @@ def observe(cfg: Config, runtime: Runtime, run_dir: Path) -> Observers:
     fault = cfg.fault
     watched = (fault.hang_timeout_s > 0 or fault.startup_timeout_s > 0) and runtime.store is not None
     watchdog = (HangWatchdog(run_dir, runtime.rank, runtime.world_size, runtime.store, fault.hang_timeout_s,
-                             fault.hang_abort, report, startup_timeout_s=fault.startup_timeout_s)
+                             fault.hang_abort, report, startup_timeout_s=fault.startup_timeout_s, hosts=hosts)
                 if watched else NullWatchdog())
-    return Observers(display, logger, watchdog, build_timer(cfg.metrics, runtime.device, watchdog.at))
+    return Observers(display, logger, watchdog, build_timer(cfg.metrics, runtime.device, watchdog.at), hosts)
 
 
 def place(cfg: Config, runtime: Runtime) -> Placement:

@@ -1,0 +1,25 @@
+"""Hosts for multi-node launch tests: network namespaces joined by a bridge, made once per
+module and torn down after it; where they cannot be made (not root, no iproute2), the
+tests that ask for them skip with the reason."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from tests.netns import Hosts, hosts_or_skip
+
+
+@pytest.fixture(scope="module")
+def netns_hosts() -> Iterator[Hosts]:
+    """Two hosts on one network, sharing the machine's hostname and filesystem."""
+    with hosts_or_skip(2) as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def netns_three_hosts() -> Iterator[Hosts]:
+    """Three hosts on one network (elastic membership: one lost, two go on)."""
+    with hosts_or_skip(3) as hosts:
+        yield hosts

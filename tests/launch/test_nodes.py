@@ -1,0 +1,194 @@
+"""Jobs on two hosts (network namespaces sharing one hostname and the filesystem), each
+launched as a user launches one: the same ``meshyard run --nnodes ...`` on every host,
+no network setting given by hand.
+
+One job config throughout: a deterministic tiny GPT on the recording dataset (every
+sample a rank reads is logged), so runs compare step by step and sample by sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import meshyard
+from meshyard.config.load import load_config
+from meshyard.fault.preemption import EXIT_PREEMPTED
+from meshyard.metrics.records import read_metrics
+from tests.checkpoint.recording_dataset import seen_indices
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, GLOBAL_BATCH, INTERVAL = 30, 16, 5
+JOB = [
+    "--model.name=gpt-tiny", "--data.source=tests/checkpoint/recording_dataset.py:build", "--data.seq_len=16",
+    f"--train.global_batch={GLOBAL_BATCH}", f"--train.steps={STEPS}", "--train.eval_every=0",
+    "--train.deterministic=true", "--optim.schedule=constant", "--optim.warmup_steps=2",
+    "--precision.dtype=fp32", "--metrics.progress_bar=false", f"--checkpoint.interval={INTERVAL}",
+    "--checkpoint.async_save=false", "--fault.grace_period_s=30",
+    "--run.rdzv_timeout_s=120", "--run.rdzv_last_call_s=2",
+]
+_ports = itertools.count(29411)
+
+
+class Job:
+    """One multi-node job: its command per host, its run directory and sample records."""
+
+    def __init__(self, hosts, folder: Path, nnodes: str, *overrides: str, nproc: int = 2) -> None:
+        self.hosts, self.folder = hosts, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.rdzv_id = folder.name
+        self.run_dir = folder / "runs" / f"meshyard-{self.rdzv_id}"
+        self.port = next(_ports)
+        self.command = [
+            sys.executable, "-m", "meshyard.cli", "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-endpoint", f"{hosts.address(0)}:{self.port}", "--rdzv-id", self.rdzv_id, *JOB,
+            f"--run.dir={folder / 'runs'}", f"--data.cache_dir={folder / 'seen'}", *overrides,
+        ]
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self, host: int, **popen: object) -> subprocess.Popen:
+        log = (self.folder / f"host{host}.log").open("a")
+        self.procs[host] = self.hosts.popen(host, self.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
+        return self.procs[host]
+
+    def start_all(self) -> Job:
+        for host in range(len(self.hosts.names)):
+            self.start(host)
+        return self
+
+    def wait(self, timeout: float = 240) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        for host, proc in self.procs.items():
+            try:
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"host {host} did not finish in {timeout}s:\n{self.logs()}") from None
+        return {host: proc.returncode for host, proc in self.procs.items()}
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        path = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            lines = path.read_text().splitlines() if path.exists() else []
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return
+            if any(proc.poll() is not None for proc in self.procs.values()):
+                raise AssertionError(f"a host ended before step {step}:\n{self.logs()}")
+            time.sleep(0.005)
+        raise AssertionError(f"step {step} not reached in {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- host {path.stem}\n{path.read_text()[-3000:]}"
+                         for path in sorted(self.folder.glob("host*.log")))
+
+    def losses(self) -> list[float]:
+        records = read_metrics(self.run_dir)
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1)), self.logs()
+        return [r["loss"] for r in records]
+
+    def restarts(self) -> list[dict]:
+        path = self.run_dir / "restarts.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _finished(job: Job, timeout: float = 240) -> Job:
+    codes = job.wait(timeout)
+    assert codes == {0: 0, 1: 0}, job.logs()
+    return job
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[float]:
+    folder = tmp_path_factory.mktemp("one")
+    config = load_config(None, [*JOB, f"--run.run_dir={folder / 'run'}", f"--data.cache_dir={folder / 'seen'}"])
+    return [r["loss"] for r in meshyard.run(config, nproc=1).metrics()]
+
+
+@pytest.fixture(scope="module")
+def reference(netns_hosts, tmp_path_factory) -> Job:
+    """An uninterrupted 2 hosts x 2 processes DDP job."""
+    return _finished(Job(netns_hosts, tmp_path_factory.mktemp("ref"), "2").start_all())
+
+
+def test_two_hosts_ddp_match_one_process(reference, one_process):
+    assert reference.losses() == pytest.approx(one_process, rel=1e-5)
+    facts = json.loads((reference.run_dir / "run.json").read_text())
+    assert facts["world_size"] == 4
+    assert set(seen_indices(reference.folder / "seen")) == set(range(2048)) & set(seen_indices(reference.folder / "seen"))
+    assert len(seen_indices(reference.folder / "seen")) == STEPS * GLOBAL_BATCH
+
+
+def test_two_hosts_fsdp_match_one_process(netns_hosts, tmp_path, one_process):
+    job = _finished(Job(netns_hosts, tmp_path / "fsdp", "2", "--parallel.strategy=fsdp").start_all())
+    assert job.losses() == pytest.approx(one_process, rel=1e-5)
+
+
+def _assert_each_sample_once(job: Job, reference: Job) -> None:
+    """The samples read: exactly the uninterrupted job's, each read again only in the
+    steps redone after the failure (those restarts.jsonl records as lost)."""
+    reads, expected = seen_indices(job.folder / "seen"), seen_indices(reference.folder / "seen")
+    assert set(reads) == set(expected), "a sample was skipped or a foreign one read"
+    lost = sum(entry["steps_lost"] for entry in job.restarts())
+    assert len(reads) - len(expected) <= (lost + 1) * GLOBAL_BATCH, "samples were read again beyond the lost steps"
+
+
+def test_elastic_job_goes_on_without_a_lost_host(netns_hosts, tmp_path, reference):
+    job = Job(netns_hosts, tmp_path / "elastic", "1:2", "--fault.max_restarts=2").start_all()
+    job.wait_for_step(12)
+    netns_hosts.kill_host(1)  # its agent and workers, as a host losing power
+    code = job.procs[0].wait(240)
+    assert code == 0, job.logs()
+    restarts = job.restarts()
+    assert len(restarts) == 1 and restarts[0]["resumed_step"] % INTERVAL == 0
+    assert restarts[0]["steps_lost"] == restarts[0]["last_recorded_step"] - restarts[0]["resumed_step"]
+    assert json.loads((job.run_dir / "run.json").read_text())["world_size"] == 2  # resharded onto one host
+    # DDP on 2 ranks instead of 4 sums gradients in another order: equal to float precision.
+    assert job.losses() == pytest.approx(reference.losses(), rel=1e-5)
+    _assert_each_sample_once(job, reference)
+
+
+def test_fixed_size_job_waits_for_the_lost_host_and_resumes(netns_hosts, tmp_path, reference):
+    job = Job(netns_hosts, tmp_path / "fixed", "2", "--fault.max_restarts=2").start_all()
+    job.wait_for_step(12)
+    netns_hosts.kill_host(1)
+    time.sleep(3)
+    assert job.procs[0].poll() is None, "the surviving host should wait for the lost one:\n" + job.logs()
+    job.start(1)  # the host comes back: the same command
+    _finished(job)
+    restarts = job.restarts()
+    assert len(restarts) == 1 and restarts[0]["resumed_step"] % INTERVAL == 0
+    assert restarts[0]["steps_lost"] == restarts[0]["last_recorded_step"] - restarts[0]["resumed_step"]
+    assert json.loads((job.run_dir / "run.json").read_text())["world_size"] == 4
+    # The first step after a resume can round differently in its 4-rank gradient sums.
+    assert job.losses() == pytest.approx(reference.losses(), rel=1e-5)
+    _assert_each_sample_once(job, reference)
+
+
+@pytest.fixture(scope="module")
+def one_per_host(netns_hosts, tmp_path_factory) -> Job:
+    """An uninterrupted job of one process per host: sums of two are exact in any order,
+    so a resumed job must match it bit for bit."""
+    return _finished(Job(netns_hosts, tmp_path_factory.mktemp("pairs"), "2", nproc=1).start_all())
+
+
+def test_sigterm_to_one_agent_saves_everywhere_then_resumes_bit_identically(netns_hosts, tmp_path, one_per_host):
+    job = Job(netns_hosts, tmp_path / "term", "2", nproc=1).start_all()
+    job.wait_for_step(8)
+    job.procs[1].send_signal(signal.SIGTERM)  # the agent of the host without the rendezvous
+    codes = job.wait()
+    assert codes == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}, job.logs()
+    stopped = json.loads((job.run_dir / "preemption.json").read_text())
+    assert stopped["signal"].startswith("SIGTERM") and stopped["checkpoint"]
+    _finished(job.start_all())  # the same commands again
+    assert job.losses() == one_per_host.losses()
+    assert job.restarts()[-1]["resumed_step"] == stopped["step"]
+    _assert_each_sample_once(job, one_per_host)
