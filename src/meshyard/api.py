@@ -116,7 +116,7 @@ def _resume_target(config: Config, resume: str) -> tuple[Config, str]:
     location = resume
     if resume == "latest":
         try:
-            location = str(latest_run_dir(Runs(config.run.dir, config.run.name)))
+            location = str(latest_run_dir(Runs(config.run.dir, config.run.name), config.checkpoint.storage_options))
         except LocationError as exc:
             raise ConfigError([f"--resume {exc}; or use --resume none to start fresh"]) from None
         config, resume = dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=location)), "auto"
@@ -188,7 +188,7 @@ def _nodes_of(config: Config) -> Nodes | None:
 def _run_as_rank(config: Config, resume: str) -> RunResult:
     """This process is one rank of a job another launcher started (torchrun, Slurm, Kubeflow)."""
     summary = run_worker(config_to_dict(config), "", resume)
-    run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run)
+    run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run, job_identity())
     return RunResult(run_dir, summary)
 
 
@@ -229,12 +229,14 @@ def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path, nodes: N
 
 
 def _preemption_from_record(run_dir: Path, since: float) -> Preempted:
-    """The preemption the workers recorded after ``since`` (step -1 if none)."""
-    path = run_dir / "preemption.json"
-    try:
-        if path.stat().st_mtime < since:
-            raise OSError("an older preemption")
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return Preempted(-1, "a signal", None)
-    return Preempted(record["step"], record["signal"], record["checkpoint"])
+    """The preemption the workers recorded after ``since``: rank 0's record, else one a
+    rank of this node left in its logs (a node without rank 0); step -1 if none."""
+    for path in [run_dir / "preemption.json", *sorted((run_dir / "logs").glob("preemption-rank*.json"))]:
+        try:
+            if path.stat().st_mtime < since:
+                continue  # an older preemption
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return Preempted(record["step"], record["signal"], record["checkpoint"])
+    return Preempted(-1, "a signal", None)

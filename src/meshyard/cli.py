@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.bench import cli as bench_cli
 from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
@@ -16,7 +17,6 @@ from meshyard.launch.local import WorkerFailure
 from meshyard.plan import cli as plan_cli
 from meshyard.verify import cli as verify_cli
 
-EXIT_BAD_INPUT = 2
 
 OVERRIDES_HELP = (
     "Any field can be set with --section.field=value (or --section.field value), "

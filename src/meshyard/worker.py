@@ -24,7 +24,7 @@ from meshyard.checkpoint.resume import checkpoint_root, restart_count
 from meshyard.config.dump import config_hash, config_to_toml
 from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
-from meshyard.fault.failure import first_failure, record_failure, this_attempt
+from meshyard.fault.failure import EXIT_BAD_INPUT, first_failure, record_bad_input, record_failure, this_attempt
 from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
 from meshyard.launch.local import quiet_agent_logs
 from meshyard.metrics.records import read_metrics, truncate_metrics
@@ -75,13 +75,18 @@ def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "
 
 def spawned_worker(config_values: dict[str, Any], run_dir: str, resume: str) -> dict[str, Any] | None:
     """Entry point of workers started by the local elastic agent: a preempted worker
-    exits with ``EXIT_PREEMPTED`` so the launcher can tell preemption from a crash. The
+    exits with ``EXIT_PREEMPTED`` so the launcher can tell preemption from a crash, and
+    one that found the input wrong with ``EXIT_BAD_INPUT`` (its problems recorded). The
     agent's own log records stay off the console: the launcher tells a failure."""
     with quiet_agent_logs():
         try:
             return run_worker(config_values, run_dir, resume)
         except Preempted:
             sys.exit(EXIT_PREEMPTED)
+        except ConfigError as bad:  # the launcher says it in full, with exit code 2
+            record_bad_input(bad.problems, bad.source, int(os.environ.get("RANK", "0")),
+                             Path(run_dir) if run_dir else None)
+            sys.exit(EXIT_BAD_INPUT)
 
 
 @dataclass
@@ -123,8 +128,9 @@ def _train(cfg: Config, runtime: Runtime, where: _Whereabouts, resume: str,
         _announce(trainer, cfg, runtime, run_dir)
         summary = trainer.fit()
     except Preempted as stop:
-        if runtime.is_main:
-            _record_preemption(run_dir, stop, cfg.fault.grace_period_s)
+        # Rank 0 keeps the run's record; every rank leaves a copy in its node's logs, so
+        # the launcher of a node without rank 0 (and no shared run folder) knows too.
+        _record_preemption(run_dir, stop, cfg.fault.grace_period_s, None if runtime.is_main else runtime.rank)
         raise
     finally:
         trainer.close()
@@ -202,9 +208,12 @@ def _record_restart(run_dir: Path, resumed_from: str | None, resumed_step: int) 
         handle.write(json.dumps(entry) + "\n")
 
 
-def _record_preemption(run_dir: Path, stop: Preempted, grace_s: float) -> None:
+def _record_preemption(run_dir: Path, stop: Preempted, grace_s: float, rank: int | None = None) -> None:
+    """``preemption.json`` (rank 0, ``rank`` None) or this rank's copy under logs/."""
     elapsed = time.time() - stop.signal_time if stop.signal_time else None
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "signal": stop.signal_name, "step": stop.step,
              "checkpoint": stop.checkpoint, "seconds_from_signal_to_commit": elapsed,
              "grace_period_s": grace_s, "within_grace": elapsed is None or elapsed <= grace_s}
-    (run_dir / "preemption.json").write_text(json.dumps(entry, indent=2))
+    path = run_dir / "preemption.json" if rank is None else run_dir / "logs" / f"preemption-rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entry, indent=2))

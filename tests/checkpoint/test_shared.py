@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -25,6 +24,7 @@ from meshyard.checkpoint.manager import CheckpointManager
 from meshyard.checkpoint.shared import PROBE_PREFIX, Probe, Sighting, probe_name, refusal_message
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.load import load_config
+from meshyard.runtime.hosts import host_label
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = ("shared", "memory", "private", "unwritable")
@@ -113,7 +113,7 @@ def test_a_folder_one_rank_cannot_see_is_refused_on_every_rank(job):
     assert errors[0] == errors[1], "the ranks must fail alike"
     assert errors[0]["type"] == "ConfigError"
     message = errors[0]["message"]
-    host = socket.gethostname()
+    host = host_label()  # these ranks meet over loopback: the hostname alone
     assert f"checkpoint.dir = '{roots['private']}' is not shared by every rank" in message
     assert f"rank 0 on host {host} wrote a probe file {roots['private']}/{PROBE_PREFIX}.run-x." in message
     assert f"rank 1 on host {host} (the file is not there) cannot read it back" in message
@@ -167,3 +167,16 @@ def test_refusal_groups_ranks_by_host_and_cause(tmp_path):
     remote = refusal_message(CheckpointStore("memory://elsewhere"), "x", probe, sightings)
     assert remote is not None and "memory:// lives inside one process" in remote
 
+
+
+def test_meshyard_run_refuses_storage_a_rank_cannot_see_with_exit_code_2(tmp_path):
+    """Through the launcher: the workers' refusal reaches the console whole, exit code 2,
+    and the agent does not restart workers on it."""
+    command = [sys.executable, "-m", "meshyard.cli", "run", "--nproc", "2", "--model.name=gpt-tiny",
+               "--data.source=random", "--data.seq_len=16", "--train.steps=2", "--train.global_batch=4",
+               "--metrics.progress_bar=false", "--checkpoint.dir=memory://refused", "--fault.max_restarts=2",
+               f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "memory:// lives inside one process" in done.stderr and "Traceback" not in done.stderr
+    assert "restart 1" not in done.stdout

@@ -22,7 +22,6 @@ and ``memory://`` (private to each process) in a job of several processes.
 from __future__ import annotations
 
 import posixpath
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from meshyard.checkpoint.storage import CheckpointStorageError, CheckpointStore
 from meshyard.config.load import ConfigError
+from meshyard.runtime.hosts import host_label
 
 PROBE_PREFIX = ".meshyard-probe"
 # Reads of a missing probe are retried this many times, the waits doubling from the first:
@@ -84,7 +84,7 @@ def require_shared_storage(store: CheckpointStore, rank: int, world_size: int, w
             f"rank 0 on host {probe.host} cannot write into the checkpoint folder {store.url} ({probe.error}); "
             "check that the folder exists or can be created there, its permissions and free space")
     sightings: list[Sighting | None] = [None] * world_size
-    dist.all_gather_object(sightings, Sighting(rank, socket.gethostname(), look_for(store, probe)))
+    dist.all_gather_object(sightings, Sighting(rank, host_label(), look_for(store, probe)))
     if rank == 0:
         _remove_quietly(store, probe.path)
     refusal = refusal_message(store, where or store.url, probe, [s for s in sightings if s is not None])
@@ -94,7 +94,7 @@ def require_shared_storage(store: CheckpointStore, rank: int, world_size: int, w
 
 def _write_probe(store: CheckpointStore, tag: str) -> Probe:
     """Rank 0's probe in the checkpoint root; never raises, so every rank learns the outcome."""
-    host, token = socket.gethostname(), uuid.uuid4().hex
+    host, token = host_label(), uuid.uuid4().hex
     path = store.path(probe_name(tag, token))
     try:
         store.makedirs(store.root)

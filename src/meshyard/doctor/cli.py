@@ -9,9 +9,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.doctor.diagnose import DoctorError, diagnose
 
-EXIT_BAD_INPUT = 2
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 from meshyard.fault.watchdog import EXIT_HUNG
 
 FIRST_LINE_CHARS = 240
+EXIT_BAD_INPUT = 2
+"""A worker found the job's input wrong (a ``ConfigError``): restarting cannot help."""
 # Exit codes meshyard's own code gives a rank on purpose, and what each means.
 EXIT_MEANINGS = {EXIT_HUNG: "stopped by the hang watchdog, which says why in the rank's log"}
 
@@ -187,3 +189,41 @@ def exit_description(rank: int, exit_code: int, run_dir: Path | None) -> str:
         what += f", {meaning}" if meaning else ""
     log = rank_log(run_dir, rank) if run_dir is not None else None
     return what + (f"; its log: {log}" if log is not None and log.exists() else "")
+
+
+def _bad_input_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "logs" / "failures" / f"bad-input-rank{rank}.json"
+
+
+def record_bad_input(problems: list[str], source: str, rank: int, run_dir: Path | None) -> None:
+    """Keep a worker's ``ConfigError`` (its problems and where they were found) for the
+    launcher, which raises it again so the console shows the whole message, exit code 2."""
+    if run_dir is None:
+        return
+    job, restart = this_attempt()
+    path = _bad_input_path(run_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"problems": problems, "source": source, "job": job, "restart": restart,
+                                    "time": time.time()}))
+    except OSError:  # the exit code still says bad input
+        pass
+
+
+def recorded_bad_input(run_dir: Path | None, job: str) -> tuple[list[str], str] | None:
+    """The problems and source of the earliest bad input a worker of elastic job ``job``
+    recorded under ``run_dir``, if any."""
+    if run_dir is None:
+        return None
+    records = []
+    for path in (run_dir / "logs" / "failures").glob("bad-input-rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("job") == job and isinstance(record.get("problems"), list):
+            records.append(record)
+    if not records:
+        return None
+    earliest = min(records, key=lambda record: record.get("time", 0))
+    return [str(problem) for problem in earliest["problems"]], str(earliest.get("source", "configuration"))

@@ -22,7 +22,11 @@ class Preempted(Exception):
         self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
         self.signal_time = signal_time  # wall-clock time of the first signal on any rank
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (saving failed or is disabled)"
-        super().__init__(f"preempted by {signal_name} at step {step}; {where}")
+        if step < 0:  # this node's workers saved with the job; rank 0, on another node, kept the record
+            super().__init__(f"preempted by {signal_name}; rank 0's node records the step and checkpoint "
+                             "(preemption.json in its run directory)")
+        else:
+            super().__init__(f"preempted by {signal_name} at step {step}; {where}")
 
 
 class PreemptionWatcher:

@@ -6,6 +6,8 @@ stop (a signal on any rank of any node); restarting it would start training agai
 node that is being taken away, or rendezvous with nodes that are already gone. Here such
 a group ends at once: every local worker exited ``EXIT_PREEMPTED``, nothing is restarted,
 no exit barrier is awaited (the other nodes are stopping too), and the outcome says so.
+Nor is a group restarted whose worker found the input wrong (``EXIT_BAD_INPUT``): the
+same input fails the same way again.
 
 ``run_agent`` does what ``torch.distributed.launcher.api.launch_agent`` does for one
 role, with this agent in place of the plain one.
@@ -28,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.launcher.api import LaunchConfig
 
+from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED
 
 
@@ -48,6 +51,8 @@ class PreemptionAwareAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         failures = result.failures.values() if result.state == WorkerState.FAILED else ()
+        if any(failure.exitcode == EXIT_BAD_INPUT for failure in failures):
+            self._remaining_restarts = 0  # the same input fails the same way again
         if failures and all(failure.exitcode == EXIT_PREEMPTED for failure in failures):
             self.preempted = True
             # SUCCEEDED ends the agent's loop without a restart; the workers still

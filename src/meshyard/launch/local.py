@@ -32,7 +32,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
 from meshyard.config.load import ConfigError
-from meshyard.fault.failure import RankFailed, WorkerFailure, exit_description, first_failure, first_line
+from meshyard.fault.failure import (EXIT_BAD_INPUT, RankFailed, WorkerFailure, exit_description, first_failure,
+                                    first_line, recorded_bad_input)
 from meshyard.fault.preemption import EXIT_PREEMPTED
 from meshyard.launch.agent import run_agent
 from meshyard.launch.nodes import Nodes, bind_interface, network_note, node_launch_config, route_for
@@ -147,7 +148,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
     those still running, and ``LauncherStopped`` is raised. A failed worker raises
     ``WorkerFailure`` telling the first failure in one paragraph (``run_dir``: where
     the workers record their failures, and ``logs/agent.log`` goes); preempted workers
-    (all exited ``EXIT_PREEMPTED``) raise it with those exit codes.
+    (all exited ``EXIT_PREEMPTED``) raise it with those exit codes, and a worker that
+    found the input wrong raises its ``ConfigError`` here.
     """
     config = launch_config(nproc, max_restarts, grace_period_s, signals)
     chosen: list[str] = []
@@ -160,6 +162,9 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
         raise LauncherStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
+        bad_input = recorded_bad_input(run_dir, config.run_id) if EXIT_BAD_INPUT in codes else None
+        if bad_input is not None:
+            raise ConfigError(*bad_input) from None
         raise WorkerFailure(_failure_paragraph(exc, run_dir, config), codes) from None
     except RendezvousError as exc:
         raise WorkerFailure(_rendezvous_paragraph(exc, nodes), []) from None

@@ -8,6 +8,7 @@ import sys
 
 from rich.console import Console
 
+from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.hardware import GPUS, INTER_NODE_LINKS, CatalogError
 from meshyard.plan.inputs import PlanInputError, PlanInputs, resolve_inputs
 from meshyard.plan.layout import PRECISIONS, STRATEGIES
@@ -17,7 +18,6 @@ from meshyard.plan.report import (
 from meshyard.plan.scale import plot_scale, simulate_scale
 from meshyard.plan.search import plan
 
-EXIT_BAD_INPUT = 2
 
 DESCRIPTION = """\
 Estimate memory per device, rank parallel layouts and predict scaling before renting
