@@ -54,9 +54,9 @@ class Job:
         ]
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def start(self, host: int, **popen: object) -> subprocess.Popen:
+    def start(self, host: int, *extra: str, **popen: object) -> subprocess.Popen:
         log = (self.folder / f"host{host}.log").open("a")
-        self.procs[host] = self.hosts.popen(host, self.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        self.procs[host] = self.hosts.popen(host, [*self.command, *extra], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
         return self.procs[host]
 
@@ -192,3 +192,24 @@ def test_sigterm_to_one_agent_saves_everywhere_then_resumes_bit_identically(netn
     assert job.losses() == one_per_host.losses()
     assert job.restarts()[-1]["resumed_step"] == stopped["step"]
     _assert_each_sample_once(job, one_per_host)
+
+
+def test_a_checkpoint_folder_one_host_cannot_see_is_refused_on_every_host(netns_hosts, tmp_path):
+    job = Job(netns_hosts, tmp_path / "private", "2", nproc=1)
+    job.start(0)
+    job.start(1, private_dirs=[str(job.folder / "runs")])  # host 1 sees its own empty folder there
+    codes = job.wait()
+    assert codes == {0: 2, 1: 2}, job.logs()
+    host0 = (job.folder / "host0.log").read_text()
+    assert "is not shared by every rank" in host0 and f"({netns_hosts.address(1)})" in host0
+    assert "Traceback" not in job.logs()
+
+
+def test_fixed_node_ranks_use_the_static_rendezvous(netns_hosts, tmp_path, one_per_host):
+    job = Job(netns_hosts, tmp_path / "static", "2", nproc=1)
+    for host in (0, 1):
+        job.start(host, "--node-rank", str(host))
+    _finished(job)
+    assert "serves the rendezvous" in (job.folder / "host0.log").read_text()
+    assert job.losses() == one_per_host.losses()
+    assert json.loads((job.run_dir / "run.json").read_text())["hosts"][1].endswith(f"({netns_hosts.address(1)})")
