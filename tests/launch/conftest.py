@@ -16,10 +16,3 @@ def netns_hosts() -> Iterator[Hosts]:
     """Two hosts on one network, sharing the machine's hostname and filesystem."""
     with hosts_or_skip(2) as hosts:
         yield hosts
-
-
-@pytest.fixture(scope="module")
-def netns_three_hosts() -> Iterator[Hosts]:
-    """Three hosts on one network (elastic membership: one lost, two go on)."""
-    with hosts_or_skip(3) as hosts:
-        yield hosts

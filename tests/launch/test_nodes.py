@@ -21,6 +21,7 @@ import pytest
 
 import meshyard
 from meshyard.config.load import load_config
+from meshyard.data.sampling import GlobalBatchSampler
 from meshyard.fault.preemption import EXIT_PREEMPTED
 from meshyard.metrics.records import read_metrics
 from tests.checkpoint.recording_dataset import seen_indices
@@ -132,11 +133,14 @@ def test_two_hosts_fsdp_match_one_process(netns_hosts, tmp_path, one_process):
     assert job.losses() == pytest.approx(one_process, rel=1e-5)
 
 
-def _assert_each_sample_once(job: Job, reference: Job) -> None:
-    """The samples read: exactly the uninterrupted job's, each read again only in the
-    steps redone after the failure (those restarts.jsonl records as lost)."""
-    reads, expected = seen_indices(job.folder / "seen"), seen_indices(reference.folder / "seen")
-    assert set(reads) == set(expected), "a sample was skipped or a foreign one read"
+def _assert_each_sample_once(job: Job, steps: int = STEPS) -> None:
+    """The samples read: exactly those of the job's steps in the sampler's order, each
+    read again only in the steps redone after a failure (those restarts.jsonl records
+    as lost)."""
+    sampler = GlobalBatchSampler(2048, GLOBAL_BATCH, GLOBAL_BATCH, 0, 1, seed=1234)  # the default train.seed
+    expected = {index for step in range(steps) for batch in sampler.step_indices(step) for index in batch}
+    reads = seen_indices(job.folder / "seen")
+    assert set(reads) == expected, "a sample was skipped or a foreign one read"
     lost = sum(entry["steps_lost"] for entry in job.restarts())
     assert len(reads) - len(expected) <= (lost + 1) * GLOBAL_BATCH, "samples were read again beyond the lost steps"
 
@@ -153,7 +157,24 @@ def test_elastic_job_goes_on_without_a_lost_host(netns_hosts, tmp_path, referenc
     assert json.loads((job.run_dir / "run.json").read_text())["world_size"] == 2  # resharded onto one host
     # DDP on 2 ranks instead of 4 sums gradients in another order: equal to float precision.
     assert job.losses() == pytest.approx(reference.losses(), rel=1e-5)
-    _assert_each_sample_once(job, reference)
+    _assert_each_sample_once(job)
+
+
+def test_elastic_job_takes_in_a_host_that_joins(netns_hosts, tmp_path):
+    steps = 60
+    job = Job(netns_hosts, tmp_path / "join", "1:2", "--fault.max_restarts=1", f"--train.steps={steps}",
+              "--data.source=tests/launch/slow_dataset.py:build")
+    job.start(0)
+    job.wait_for_step(3)  # training on one host
+    job.start(1)
+    _finished(job)
+    facts = json.loads((job.run_dir / "run.json").read_text())
+    assert facts["world_size"] == 4 and {host.split()[-1] for host in facts["hosts"]} == {
+        f"({netns_hosts.address(0)})", f"({netns_hosts.address(1)})"}
+    restarts = job.restarts()
+    assert len(restarts) == 1 and 3 <= restarts[0]["resumed_step"] < steps
+    assert [r["step"] for r in read_metrics(job.run_dir)] == list(range(1, steps + 1))
+    _assert_each_sample_once(job, steps)
 
 
 def test_fixed_size_job_waits_for_the_lost_host_and_resumes(netns_hosts, tmp_path, reference):
@@ -170,7 +191,7 @@ def test_fixed_size_job_waits_for_the_lost_host_and_resumes(netns_hosts, tmp_pat
     assert json.loads((job.run_dir / "run.json").read_text())["world_size"] == 4
     # The first step after a resume can round differently in its 4-rank gradient sums.
     assert job.losses() == pytest.approx(reference.losses(), rel=1e-5)
-    _assert_each_sample_once(job, reference)
+    _assert_each_sample_once(job)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +212,7 @@ def test_sigterm_to_one_agent_saves_everywhere_then_resumes_bit_identically(netn
     _finished(job.start_all())  # the same commands again
     assert job.losses() == one_per_host.losses()
     assert job.restarts()[-1]["resumed_step"] == stopped["step"]
-    _assert_each_sample_once(job, one_per_host)
+    _assert_each_sample_once(job)
 
 
 def test_a_checkpoint_folder_one_host_cannot_see_is_refused_on_every_host(netns_hosts, tmp_path):
