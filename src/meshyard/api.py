@@ -22,13 +22,13 @@ import torch
 
 from meshyard.checkpoint.locate import LocationError, Runs, latest_run_dir
 from meshyard.checkpoint.resume import RESUME_MODES, ResumeError, find_explicit
+from meshyard.config.checks import node_range
 from meshyard.config.dump import config_to_dict
 from meshyard.config.load import ConfigError
 from meshyard.config.sections import Config
 from meshyard.data.corpus import DataSourceError
 from meshyard.data.loader import split_corpus
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
-from meshyard.config.checks import node_range
 from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
 from meshyard.launch.nodes import Nodes
 from meshyard.metrics.records import read_metrics
@@ -36,6 +36,7 @@ from meshyard.plugins import PluginError, is_custom_reference, load_callable, un
 from meshyard.run_dir import resolve_run_dir
 from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.environment import detect_environment, job_identity
+from meshyard.runtime.network import NetworkError
 from meshyard.validate import validate, validate_local_launch
 from meshyard.worker import run_worker, spawned_worker
 
@@ -158,9 +159,10 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
         return _run_as_rank(config, resume)
     config, _ = validate_local_launch(config, nproc, earlier_problems)
     config, resume = _resume_target(config, resume)
-    nodes = _nodes_of(config)
+    job_id = config.run.rdzv_id or job_identity()
+    nodes = _nodes_of(config, job_id)
     prepare_inputs(config)  # before the run directory exists: bad input leaves nothing behind
-    run_dir = resolve_run_dir(config.run, nodes.rdzv_id if nodes else config.run.rdzv_id)
+    run_dir = resolve_run_dir(config.run, job_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"meshyard: run directory {run_dir}", flush=True)
     # Workers inherit this environment, and cuBLAS reads the setting when CUDA starts in them.
@@ -171,18 +173,21 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
     return RunResult(run_dir, _run_local_workers(config, args, run_dir, nodes))
 
 
-def _nodes_of(config: Config) -> Nodes | None:
-    """The nodes of a job on more than one node (None for one node). Such a job needs an
-    id that every node and every restart share: ``run.rdzv_id`` or the scheduler's."""
+def _nodes_of(config: Config, job_id: str) -> Nodes | None:
+    """The nodes of a job on more than one node (None for one node), with this node's
+    route to them. Such a job needs an id that every node and every restart share:
+    ``run.rdzv_id`` or the scheduler's (``job_id``)."""
     low, high = node_range(config.run.nnodes) or (1, 1)
     if high == 1:
         return None
-    rdzv_id = config.run.rdzv_id or job_identity()
-    if not rdzv_id:
+    if not job_id:
         raise ConfigError([f"run.nnodes = '{config.run.nnodes}' needs run.rdzv_id (--rdzv-id ID): one id that "
                            "every node and every restart of the job share; it names the run directory, so a "
                            "restarted job finds its checkpoints (e.g. --rdzv-id my-job-1)"])
-    return Nodes.of(config.run, rdzv_id)
+    try:
+        return Nodes.of(config.run, job_id)
+    except NetworkError as exc:
+        raise ConfigError([f"run.rdzv_endpoint: {exc}"], "launch") from None
 
 
 def _run_as_rank(config: Config, resume: str) -> RunResult:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.bench import cli as bench_cli
 from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
+from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
 from meshyard.doctor import cli as doctor_cli
 from meshyard.extras import MissingExtra
-from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
+from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.launch.local import WorkerFailure
 from meshyard.plan import cli as plan_cli
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshyard: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:
-        print(f"meshyard: {exc}; continue it with the same command plus --resume latest (or --resume <run dir>)", file=sys.stderr)
+        print(f"meshyard: {exc}; continue it with the same command (a job with --rdzv-id or a scheduler's job "
+              "id finds its run directory again; otherwise add --resume latest or --resume <run dir>)", file=sys.stderr)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print("meshyard: interrupted", file=sys.stderr)

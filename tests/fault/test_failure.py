@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from meshyard.fault.failure import RankFailed, WorkerFailure, describe, first_failure, first_line, record_failure
+from meshyard.fault.failure import (RankFailed, WorkerFailure, describe, first_failure, first_line, record_bad_input,
+                                    record_failure, recorded_bad_input)
 
 
 def _shapes_clash() -> torch.Tensor:
@@ -97,3 +99,19 @@ def test_installed_packages_inside_pythons_folder_are_named(monkeypatch):
     assert _is_library(f"{lib}/json/decoder.py")
     assert _is_library(str(Path(torch.__file__).parent / "nn" / "modules" / "module.py"))
     assert _is_library("<eval_with_key>.3")
+
+
+def test_failures_of_an_earlier_launch_with_the_same_job_id_are_not_reported(tmp_path):
+    """A rendezvous or scheduler id outlives a launch: its records are told apart by time."""
+    write_record(tmp_path, 1, 10.0)  # the earlier launch, fixed since
+    write_record(tmp_path, 0, 50.0)
+    assert first_failure(tmp_path, "job-a", 0, since=40.0) == "rank 0 failed: X; full traceback in rank0.log"
+    assert first_failure(tmp_path, "job-a", 0, since=60.0) is None
+
+
+def test_a_workers_bad_input_is_kept_for_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    record_bad_input(["checkpoint.dir is not shared"], "checkpoint storage", 1, tmp_path)
+    assert recorded_bad_input(tmp_path, "job-a") == (["checkpoint.dir is not shared"], "checkpoint storage")
+    assert recorded_bad_input(tmp_path, "job-b") is None
+    assert recorded_bad_input(tmp_path, "job-a", since=time.time() + 60) is None

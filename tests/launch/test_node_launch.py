@@ -160,7 +160,7 @@ def test_one_node_of_two_alone_says_the_nodes_did_not_meet(tmp_path):
 
 def test_two_nodes_on_one_machine_train_together_over_loopback(tmp_path):
     flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-             "--rdzv-id", "x", "--run.rdzv_timeout_s=120"]
+             "--rdzv-id", "x", "--run.rdzv_timeout_s=60"]
     nodes = [_node(tmp_path, *flags) for _ in range(2)]
     results = [_finish(proc) for proc in nodes]
     logs = "\n".join(f"--- node {i}\n{out[-2000:]}\n{err[-3000:]}" for i, (_, out, err) in enumerate(results))

@@ -276,6 +276,6 @@ def _node_problems(r: RunConfig) -> list[str]:
     elif r.node_rank >= bounds[1]:
         problems.append(f"run.node_rank = {r.node_rank} must be below run.nnodes = {bounds[1]}")
     return problems + _failed([
-        (r.rdzv_timeout_s > 0, f"run.rdzv_timeout_s = {r.rdzv_timeout_s} must be positive"),
+        (r.rdzv_timeout_s >= 1, f"run.rdzv_timeout_s = {r.rdzv_timeout_s} must be at least 1 (seconds)"),
         (r.rdzv_last_call_s >= 0, f"run.rdzv_last_call_s = {r.rdzv_last_call_s} must not be negative"),
     ])

@@ -154,12 +154,14 @@ def _record_path(run_dir: Path, restart: int, rank: int) -> Path:
     return run_dir / "logs" / "failures" / f"restart{restart}-rank{rank}.json"
 
 
-def first_failure(run_dir: Path, job: str, restart: int) -> str | None:
+def first_failure(run_dir: Path, job: str, restart: int, since: float = 0.0) -> str | None:
     """The paragraph of the earliest failure recorded under ``run_dir`` in attempt
-    ``restart`` of elastic job ``job``; None when no rank of it raised (they were
-    killed, or exited on purpose)."""
+    ``restart`` of elastic job ``job``, at ``since`` or later (a job id that outlives a
+    launch, such as a rendezvous id, must not bring back an earlier launch's failures);
+    None when no rank of it raised (they were killed, or exited on purpose)."""
     records = [record for path in (run_dir / "logs" / "failures").glob(f"restart{restart}-rank*.json")
-               if (record := _read_record(path)) is not None and record.get("job") == job]
+               if (record := _read_record(path)) is not None and record.get("job") == job
+               and record["time"] >= since]
     if not records:
         return None
     earliest = min(records, key=lambda record: record["time"])
@@ -210,9 +212,9 @@ def record_bad_input(problems: list[str], source: str, rank: int, run_dir: Path 
         pass
 
 
-def recorded_bad_input(run_dir: Path | None, job: str) -> tuple[list[str], str] | None:
+def recorded_bad_input(run_dir: Path | None, job: str, since: float = 0.0) -> tuple[list[str], str] | None:
     """The problems and source of the earliest bad input a worker of elastic job ``job``
-    recorded under ``run_dir``, if any."""
+    recorded under ``run_dir`` at ``since`` or later, if any."""
     if run_dir is None:
         return None
     records = []
@@ -221,7 +223,8 @@ def recorded_bad_input(run_dir: Path | None, job: str) -> tuple[list[str], str] 
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and record.get("job") == job and isinstance(record.get("problems"), list):
+        if isinstance(record, dict) and record.get("job") == job and isinstance(record.get("problems"), list) \
+                and record.get("time", 0) >= since:
             records.append(record)
     if not records:
         return None

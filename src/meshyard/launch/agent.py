@@ -15,7 +15,6 @@ role, with this agent in place of the plain one.
 
 from __future__ import annotations
 
-import inspect
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ class AgentOutcome:
 
     return_values: dict[int, Any] = field(default_factory=dict)
     preempted: bool = False
+    not_needed: bool = False
 
 
 class PreemptionAwareAgent(LocalElasticAgent):
@@ -75,21 +75,23 @@ def run_agent(config: LaunchConfig, entrypoint: Callable[..., Any], args: tuple)
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    master_addr, master_port = _static_master(config)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(args),
         rdzv_handler=rendezvous_registry.get_rendezvous_handler(parameters),
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
-        master_addr=_static_master(config)[0], master_port=_static_master(config)[1], local_addr=config.local_addr,
+        master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
     )
-    options: dict[str, Any] = {"shutdown_timeout": config.shutdown_timeout} \
-        if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters \
-        and getattr(config, "shutdown_timeout", None) else {}
+    # torch 2.12 gave the launcher and the agent a grace period (launch_config sets it).
+    options: dict[str, Any] = {"shutdown_timeout": config.shutdown_timeout} if hasattr(config, "shutdown_timeout") else {}
     agent = PreemptionAwareAgent(spec=spec, logs_specs=config.logs_specs or DefaultLogsSpecs(),
                                  start_method=config.start_method, **options)
     close_rendezvous = True
     try:
         with _torch_settings(config):
             result = agent.run()
+        if result is None:  # the rendezvous had its maximum of nodes: this one stood by and was let go
+            return AgentOutcome(not_needed=True)
         if agent.preempted:
             return AgentOutcome(preempted=True)
         if result.is_failed():

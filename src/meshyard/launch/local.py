@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
 from meshyard.config.load import ConfigError
@@ -36,9 +37,8 @@ from meshyard.fault.failure import (EXIT_BAD_INPUT, RankFailed, WorkerFailure, e
                                     first_line, recorded_bad_input)
 from meshyard.fault.preemption import EXIT_PREEMPTED
 from meshyard.launch.agent import run_agent
-from meshyard.launch.nodes import Nodes, bind_interface, network_note, node_launch_config, route_for
+from meshyard.launch.nodes import Nodes, bind_interface, network_note, node_launch_config
 from meshyard.launch.rendezvous import BACKEND, LOOPBACK, register_backend
-from meshyard.runtime.network import NetworkError
 
 # Signals on which the agent stops its workers whatever the config says (torch's own
 # default set); the configured preemption signals are added to them.
@@ -154,7 +154,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
     config = launch_config(nproc, max_restarts, grace_period_s, signals)
     chosen: list[str] = []
     if nodes is not None:
-        config, chosen = _join_nodes(config, nodes)
+        config, chosen = _join_nodes(config, nodes, run_dir)
+    started = time.time()
     try:
         with quiet_agent_logs(run_dir / "logs" / "agent.log" if run_dir is not None else None):
             outcome = run_agent(config, entrypoint, args)
@@ -162,10 +163,10 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
         raise LauncherStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
-        bad_input = recorded_bad_input(run_dir, config.run_id) if EXIT_BAD_INPUT in codes else None
+        bad_input = recorded_bad_input(run_dir, config.run_id, started) if EXIT_BAD_INPUT in codes else None
         if bad_input is not None:
             raise ConfigError(*bad_input) from None
-        raise WorkerFailure(_failure_paragraph(exc, run_dir, config), codes) from None
+        raise WorkerFailure(_failure_paragraph(exc, run_dir, config, started), codes) from None
     except RendezvousError as exc:
         raise WorkerFailure(_rendezvous_paragraph(exc, nodes), []) from None
     finally:
@@ -173,35 +174,44 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
             os.environ.pop(name, None)
     if outcome.preempted:
         raise WorkerFailure("the workers were preempted", [EXIT_PREEMPTED] * nproc)
+    if outcome.not_needed:
+        print(f"meshyard: this node was not needed: {nodes.describe() if nodes else 'the job'} started with "
+              "its maximum of nodes without it", flush=True)
     return outcome.return_values
 
 
-def _join_nodes(config: LaunchConfig, nodes: Nodes) -> tuple[LaunchConfig, list[str]]:
-    """This node's settings in the job of ``nodes``, found from its route to the
-    endpoint; the interface variables it set for the workers."""
-    try:
-        route = route_for(nodes)
-    except NetworkError as exc:
-        raise ConfigError([f"run.rdzv_endpoint: {exc}"], "launch") from None
-    chosen = bind_interface(route, os.environ)
-    print(network_note(nodes, route, os.environ), flush=True)
-    return node_launch_config(nodes, route, config), chosen
+def _join_nodes(config: LaunchConfig, nodes: Nodes, run_dir: Path | None) -> tuple[LaunchConfig, list[str]]:
+    """This node's settings in the job of ``nodes``; the interface variables it set for
+    the workers (to be given back after). What it found goes to the console and to
+    ``logs/agent.log``."""
+    chosen = bind_interface(nodes.route, os.environ)
+    note = network_note(nodes, os.environ)
+    print(note, flush=True)
+    if run_dir is not None:
+        log = run_dir / "logs" / "agent.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as out:
+            out.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n")
+    return node_launch_config(nodes, config), chosen
 
 
 def _rendezvous_paragraph(exc: RendezvousError, nodes: Nodes | None) -> str:
     where = nodes.describe() if nodes is not None else "the local rendezvous"
+    if isinstance(exc, RendezvousClosedError):
+        return (f"the job ({where}) was ended by another node, which gave up or finished; its console output "
+                "says why. Start every node again to run the job again")
     return (f"the nodes did not meet ({where}): {type(exc).__name__}: {first_line(str(exc)) or 'no detail'}. "
             "Every node must run the same command (the same --nnodes, --rdzv-endpoint and --rdzv-id) within "
             "run.rdzv_timeout_s of each other, and reach the endpoint's host and port")
 
 
-def _failure_paragraph(exc: ChildFailedError, run_dir: Path | None, config: LaunchConfig) -> str:
+def _failure_paragraph(exc: ChildFailedError, run_dir: Path | None, config: LaunchConfig, since: float) -> str:
     """The first failure: the earliest one recorded by a rank that raised in the last
     attempt (another rank may have been noticed first, failing after it: a collective
     with a dead peer), else how the first rank the agent noticed ended. The agent gives
     up only once its restarts are spent, so the last attempt is restart ``max_restarts``."""
     rank, failure = exc.get_first_failure()
-    recorded = first_failure(run_dir, config.run_id, config.max_restarts) if run_dir is not None else None
+    recorded = first_failure(run_dir, config.run_id, config.max_restarts, since) if run_dir is not None else None
     if recorded is not None:
         return recorded
     if not os.path.isfile(failure.error_file):  # it did not raise: killed, or exited on purpose

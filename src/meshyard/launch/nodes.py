@@ -15,6 +15,7 @@ gloo and NCCL bind that interface unless the user chose one.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, MutableMapping
 
@@ -26,15 +27,11 @@ from meshyard.runtime.network import Route, route_to
 
 SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """Where gloo and NCCL read the interface to bind (torch's and NCCL's own settings)."""
-# The c10d rendezvous checks its members' heartbeats this often, and drops a member
-# after this many missed ones: a lost node is noticed in about 15 s instead of 30-60 s.
-KEEP_ALIVE_S = 5
-KEEP_ALIVE_MISSES = 3
 
 
 @dataclass(frozen=True)
 class Nodes:
-    """The nodes of a job, as ``[run]`` describes them."""
+    """The nodes of a job, as ``[run]`` describes them, and this node's route to them."""
 
     min_nodes: int
     max_nodes: int
@@ -44,14 +41,23 @@ class Nodes:
     node_rank: int
     join_timeout_s: float
     last_call_s: float
+    route: Route
+    serves_rendezvous: bool
+    """This node's agent serves the rendezvous store: node 0 of a static job; in a c10d
+    job, the node that owns the endpoint's address, unless another agent on it serves it
+    already (several agents on one host)."""
 
     @classmethod
     def of(cls, run: RunConfig, rdzv_id: str) -> Nodes:
         """The nodes of ``run`` (its fields checked by ``config.checks``); ``rdzv_id`` is
-        ``run.rdzv_id`` or, when that is empty, the scheduler's job id."""
+        ``run.rdzv_id`` or, when that is empty, the scheduler's job id. Raises
+        ``NetworkError`` when this node has no route to the endpoint."""
         low, high = node_range(run.nnodes) or (1, 1)
         host, port = split_endpoint(run.rdzv_endpoint) if run.rdzv_endpoint else ("127.0.0.1", DEFAULT_RDZV_PORT)
-        return cls(low, high, host, port, rdzv_id, run.node_rank, run.rdzv_timeout_s, run.rdzv_last_call_s)
+        route = route_to(host, port)
+        serves = run.node_rank == 0 if run.node_rank >= 0 else route.is_local and port_is_free(route.endpoint_addr, port)
+        return cls(low, high, host, port, rdzv_id, run.node_rank, run.rdzv_timeout_s, run.rdzv_last_call_s,
+                   route, serves)
 
     @property
     def endpoint(self) -> str:
@@ -67,27 +73,34 @@ class Nodes:
         return f"{count} nodes meeting at {self.endpoint} as '{self.rdzv_id}'"
 
 
-def node_launch_config(nodes: Nodes, route: Route, base: LaunchConfig) -> LaunchConfig:
+def port_is_free(address: str, port: int) -> bool:
+    """Whether a server could listen on ``address:port`` now (connections closing on it do
+    not count: the store binds with SO_REUSEADDR too)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def node_launch_config(nodes: Nodes, base: LaunchConfig) -> LaunchConfig:
     """``base`` (this node's settings: workers, restarts, signals, grace period) turned
-    into its part of the multi-node job reached over ``route``."""
+    into its part of the multi-node job."""
     if nodes.static:
         configs: dict[str, Any] = {"rank": nodes.node_rank, "timeout": int(nodes.join_timeout_s)}
     else:
-        configs = {"is_host": route.is_local, "join_timeout": int(nodes.join_timeout_s),
-                   "last_call_timeout": max(1, int(nodes.last_call_s)), "keep_alive_interval": KEEP_ALIVE_S,
-                   "keep_alive_max_attempt": KEEP_ALIVE_MISSES}
+        configs = {"is_host": nodes.serves_rendezvous, "join_timeout": int(nodes.join_timeout_s),
+                   "last_call_timeout": max(1, int(nodes.last_call_s))}
     base.min_nodes, base.max_nodes = nodes.min_nodes, nodes.max_nodes
     base.run_id = nodes.rdzv_id
     base.rdzv_backend = "static" if nodes.static else "c10d"
     base.rdzv_endpoint = nodes.endpoint
     base.rdzv_configs = configs
-    base.local_addr = route.local_addr
+    base.local_addr = nodes.route.local_addr
     return base
-
-
-def route_for(nodes: Nodes) -> Route:
-    """This node's route to the rendezvous endpoint (``NetworkError`` when there is none)."""
-    return route_to(nodes.host, nodes.port)
 
 
 def bind_interface(route: Route, environ: MutableMapping[str, str]) -> list[str]:
@@ -101,9 +114,10 @@ def bind_interface(route: Route, environ: MutableMapping[str, str]) -> list[str]
     return chosen
 
 
-def network_note(nodes: Nodes, route: Route, environ: MutableMapping[str, str]) -> str:
-    """One line for the console and the log: what this node found and uses."""
-    serves = "serves the rendezvous" if (nodes.node_rank == 0 if nodes.static else route.is_local) else "joins it"
+def network_note(nodes: Nodes, environ: MutableMapping[str, str]) -> str:
+    """One line for the console and the agent's log: what this node found and uses."""
+    route = nodes.route
+    serves = "serves the rendezvous" if nodes.serves_rendezvous else "joins it"
     interfaces = ", ".join(f"{name}={environ.get(name, '')}" for name in SOCKET_INTERFACE_VARIABLES)
     return (f"meshyard: {nodes.describe()}; this node is {route.local_addr} on {route.interface} and {serves} "
             f"({interfaces}; pid {os.getpid()})")
