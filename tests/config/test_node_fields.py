@@ -79,13 +79,19 @@ def test_one_node_needs_no_endpoint():
 
 
 @pytest.mark.parametrize("key, value, fragment", [
-    ("rdzv_timeout_s", "0", "run.rdzv_timeout_s = 0.0 must be positive"),
-    ("rdzv_timeout_s", "-5", "run.rdzv_timeout_s = -5.0 must be positive"),
+    ("rdzv_timeout_s", "0", "run.rdzv_timeout_s = 0.0 must be"),
+    ("rdzv_timeout_s", "-5", "run.rdzv_timeout_s = -5.0 must be"),
+    # torch takes the wait in whole seconds: half a second would be none.
+    ("rdzv_timeout_s", "0.5", "run.rdzv_timeout_s = 0.5 must be at least 1"),
     ("rdzv_last_call_s", "-1", "run.rdzv_last_call_s = -1.0 must not be negative"),
 ])
 def test_rendezvous_waits_are_checked(key, value, fragment):
     [problem] = _problems(f"--run.{key}={value}")
     assert fragment in problem
+
+
+def test_a_wait_of_one_second_passes():
+    assert _problems("--run.rdzv_timeout_s=1", "--run.rdzv_last_call_s=0") == []
 
 
 def test_problems_of_several_node_keys_are_listed_together():

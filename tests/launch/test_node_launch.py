@@ -15,9 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from meshyard.cli import build_parser, main
-from meshyard.config.load import ConfigError
+from meshyard.config.load import ConfigError, load_config
+from meshyard.launch.nodes import Nodes
+from meshyard.launch.rendezvous import NODES_BACKEND, node_store
 from meshyard.runtime.environment import job_identity
 from meshyard.validate import validate_local_launch
 from tests.conftest import tiny_config
@@ -113,9 +116,8 @@ def test_an_unresolvable_endpoint_exits_2_naming_rdzv_endpoint(tmp_path, capsys,
 
 
 def test_an_unresolvable_endpoint_leaves_no_run_directory(tmp_path, capsys, no_scheduler):
-    """KNOWN BUG (api.run / launch.local._join_nodes): the route to the endpoint is looked up
-    only inside ``launch_local``, after the run directory was made and announced, so this
-    bad input (exit 2) leaves an empty ``runs/meshyard-<id>`` behind, unlike every other."""
+    """The route to the endpoint is looked up before the run directory is made: bad input
+    leaves nothing behind, this one included."""
     assert main(["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "no-such-host.invalid",
                  "--rdzv-id", "unresolved", *_job(tmp_path)]) == 2
     assert "run directory" not in capsys.readouterr().out
@@ -142,6 +144,34 @@ def test_an_elastic_range_that_fits_at_every_node_count_passes(tmp_path):
     config, checked = validate_local_launch(_range_config(tmp_path, tp=2))
     assert config.run.nproc == 2
     assert checked.dims.tp == 2 and checked.dims.world_size == 4  # checked at its largest size
+
+
+# --- which agent of a host serves the rendezvous ---------------------------------------
+
+def _loopback_run(port: int):
+    return load_config(None, ["--run.nnodes=2", f"--run.rdzv_endpoint=127.0.0.1:{port}"]).run
+
+
+def test_the_agent_owning_the_endpoint_serves_unless_another_serves_already():
+    port = free_port()
+    alone = Nodes.of(_loopback_run(port), "j")
+    assert alone.serves_rendezvous and alone.route.is_local and alone.route.interface == "lo"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        assert not Nodes.of(_loopback_run(port), "j").serves_rendezvous
+
+
+def test_a_second_agent_told_to_serve_the_store_joins_it_instead():
+    """Two agents of one host may both find the port free and both be told to serve:
+    the second to bind it reaches the first one's store as a client."""
+    params = RendezvousParameters(backend=NODES_BACKEND, endpoint=f"127.0.0.1:{free_port()}", run_id="j",
+                                  min_nodes=1, max_nodes=2, is_host=True)
+    first = node_store(params)
+    second = node_store(params)
+    second.set("from-second", "1")
+    assert first.get("from-second") == b"1"
+    assert first.num_keys() == second.num_keys()
 
 
 # --- real launches --------------------------------------------------------------------

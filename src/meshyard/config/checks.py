@@ -8,6 +8,7 @@ message lists every problem of a run. Nothing here raises: each check returns me
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Iterable
 
 from meshyard.config.sections import (CheckpointConfig, CommConfig, Config, DataConfig, FaultConfig, MetricsConfig,
@@ -231,9 +232,9 @@ DEFAULT_RDZV_PORT = 29400
 
 def node_range(nnodes: str) -> tuple[int, int] | None:
     """``"N"`` -> (N, N) and ``"MIN:MAX"`` -> (MIN, MAX); None when it is neither."""
-    low, _, high = str(nnodes).strip().partition(":")
+    low, colon, high = str(nnodes).strip().partition(":")
     try:
-        bounds = int(low), int(high or low)
+        bounds = int(low), int(high if colon else low)  # '2:' is a range missing its end, not '2'
     except ValueError:
         return None
     return bounds if 1 <= bounds[0] <= bounds[1] else None
@@ -244,12 +245,17 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     text = endpoint.strip()
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise ValueError(endpoint)
+        port = rest[1:] if rest else None
+        ipaddress.IPv6Address(host)  # ValueError unless an IPv6 address stands in the brackets
     elif text.count(":") == 1:
         host, port = text.split(":")
-    else:
-        host, port = text, ""
-    number = int(port) if port else DEFAULT_RDZV_PORT
+    else:  # no port, or a bare IPv6 address
+        host, port = text, None
+        if ":" in host:
+            ipaddress.IPv6Address(host)
+    number = DEFAULT_RDZV_PORT if port is None else int(port)  # 'host:' has an empty port: an error
     if not host or not 0 < number < 65536:
         raise ValueError(endpoint)
     return host, number

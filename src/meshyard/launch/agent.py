@@ -31,6 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED
+from meshyard.launch.rendezvous import NODES_BACKEND
 
 
 @dataclass
@@ -126,7 +127,7 @@ def _torch_settings(config: LaunchConfig) -> Iterator[None]:
       waits in vain for its address and fails.
     """
     wanted = {"TORCHELASTIC_SIGNALS_TO_HANDLE": config.signals_to_handle}
-    if config.rdzv_backend == "c10d":
+    if config.rdzv_backend in ("c10d", NODES_BACKEND):
         wanted["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     previous = {name: os.environ.get(name) for name in wanted}
     os.environ.update(wanted)

@@ -200,7 +200,10 @@ def _rendezvous_paragraph(exc: RendezvousError, nodes: Nodes | None) -> str:
     if isinstance(exc, RendezvousClosedError):
         return (f"the job ({where}) was ended by another node, which gave up or finished; its console output "
                 "says why. Start every node again to run the job again")
-    return (f"the nodes did not meet ({where}): {type(exc).__name__}: {first_line(str(exc)) or 'no detail'}. "
+    # torch's messages often say "see inner exception": the cause is what names the problem.
+    details = [first_line(str(error)) for error in (exc, exc.__cause__) if error is not None and str(error)]
+    said = "; ".join(details) or "not enough nodes joined in time"
+    return (f"the nodes did not meet ({where}): {type(exc).__name__}: {said}. "
             "Every node must run the same command (the same --nnodes, --rdzv-endpoint and --rdzv-id) within "
             "run.rdzv_timeout_s of each other, and reach the endpoint's host and port")
 

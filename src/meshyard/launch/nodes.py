@@ -1,7 +1,8 @@
 """A job on several nodes: the same ``meshyard run`` on every node, one agent per node.
 
-Each node's agent meets the others at the rendezvous endpoint (torch's c10d rendezvous;
-with ``run.node_rank`` given, its static one, as torchrun does) and starts
+Each node's agent meets the others at the rendezvous endpoint (torch's c10d rendezvous,
+``launch.rendezvous.NODES_BACKEND``; with ``run.node_rank`` given, its static one, as
+torchrun does) and starts
 ``run.nproc`` workers. With ``run.nnodes = "MIN:MAX"`` nodes may leave and join: the
 agents restart their workers (``fault.max_restarts``) with whoever is there, and the
 workers resume from the newest checkpoint, resharded to the new world size.
@@ -23,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from meshyard.config.checks import DEFAULT_RDZV_PORT, node_range, split_endpoint
 from meshyard.config.sections import RunConfig
+from meshyard.launch.rendezvous import NODES_BACKEND, register_node_backend
 from meshyard.runtime.network import Route, route_to
 
 SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -89,6 +91,7 @@ def port_is_free(address: str, port: int) -> bool:
 def node_launch_config(nodes: Nodes, base: LaunchConfig) -> LaunchConfig:
     """``base`` (this node's settings: workers, restarts, signals, grace period) turned
     into its part of the multi-node job."""
+    register_node_backend()
     if nodes.static:
         configs: dict[str, Any] = {"rank": nodes.node_rank, "timeout": int(nodes.join_timeout_s)}
     else:
@@ -96,7 +99,7 @@ def node_launch_config(nodes: Nodes, base: LaunchConfig) -> LaunchConfig:
                    "last_call_timeout": max(1, int(nodes.last_call_s))}
     base.min_nodes, base.max_nodes = nodes.min_nodes, nodes.max_nodes
     base.run_id = nodes.rdzv_id
-    base.rdzv_backend = "static" if nodes.static else "c10d"
+    base.rdzv_backend = "static" if nodes.static else NODES_BACKEND
     base.rdzv_endpoint = nodes.endpoint
     base.rdzv_configs = configs
     base.local_addr = nodes.route.local_addr

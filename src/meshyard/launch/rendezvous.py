@@ -1,4 +1,8 @@
-"""A rendezvous for the workers of one machine that listens on the loopback interface only.
+"""Rendezvous backends of meshyard's launcher, registered with torch's registry.
+
+``BACKEND``: for the workers of one machine, listening on the loopback interface only.
+``NODES_BACKEND``: torch's c10d rendezvous for several nodes, with the store served by
+the node that owns the endpoint (see ``node_store``).
 
 torch's c10d rendezvous hosts two TCP stores in the launcher, its own and the one the
 elastic agent shares with its workers (``MASTER_ADDR``/``MASTER_PORT``), and both listen on
@@ -15,12 +19,19 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from meshyard.config.checks import DEFAULT_RDZV_PORT
+from meshyard.fault.failure import first_line
 
 LOOPBACK = "127.0.0.1"
 BACKEND = "meshyard-loopback"
@@ -89,3 +100,38 @@ def create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
 def register_backend() -> None:
     """Make ``BACKEND`` known to torch's rendezvous registry (repeating it is harmless)."""
     rendezvous_handler_registry.register(BACKEND, create_handler)
+
+
+NODES_BACKEND = "meshyard-c10d"
+"""torch's c10d rendezvous for the nodes of a job, with the store served by the node
+that owns the endpoint (``launch.nodes``) and taken over as a client when another agent
+on that host serves it already."""
+
+
+def node_store(params: RendezvousParameters) -> dist.TCPStore:
+    """The c10d rendezvous store: served here when ``is_host`` is set and the port can
+    be had, else reached as a client. torch's own backend, told ``is_host``, gives up
+    when the port is taken, as it is when two agents of one job start together on the
+    endpoint's host; its guess without ``is_host`` compares the endpoint with the
+    hostname's address, which hosts sharing a hostname (containers, namespaces) defeat."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_RDZV_PORT)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    for serve in ([True, False] if params.get_as_bool("is_host", False) else [False]):
+        try:
+            return dist.TCPStore(host, port, is_master=serve, multi_tenant=True, timeout=timeout)
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            if not serve:
+                raise RendezvousConnectionError(
+                    f"cannot reach the rendezvous store at {host}:{port} ({first_line(str(exc))})") from exc
+    raise AssertionError("unreachable: the last attempt is a client's, which returns or raises")
+
+
+def create_node_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The registry's constructor for ``NODES_BACKEND``."""
+    store = node_store(params)
+    return dynamic_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+
+
+def register_node_backend() -> None:
+    """Make ``NODES_BACKEND`` known to torch's rendezvous registry (repeating it is harmless)."""
+    rendezvous_handler_registry.register(NODES_BACKEND, create_node_handler)
