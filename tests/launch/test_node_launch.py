@@ -7,7 +7,6 @@ The jobs between real hosts (network namespaces) are in ``test_nodes.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -186,19 +185,3 @@ def test_one_node_of_two_alone_says_the_nodes_did_not_meet(tmp_path):
     [paragraph] = [line for line in err.splitlines() if line.startswith("meshyard:")]
     assert "the nodes did not meet" in paragraph
     assert f"127.0.0.1:{port}" in paragraph and "'t'" in paragraph and "run.rdzv_timeout_s" in paragraph
-
-
-def test_two_nodes_on_one_machine_train_together_over_loopback(tmp_path):
-    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-             "--rdzv-id", "x", "--run.rdzv_timeout_s=60"]
-    nodes = [_node(tmp_path, *flags) for _ in range(2)]
-    results = [_finish(proc) for proc in nodes]
-    logs = "\n".join(f"--- node {i}\n{out[-2000:]}\n{err[-3000:]}" for i, (_, out, err) in enumerate(results))
-    assert [code for code, _, _ in results] == [0, 0], logs
-    outs = [out for _, out, _ in results]
-    assert sorted("finished; records in" in out for out in outs) == [False, True], logs
-    assert sorted("this node's workers finished" in out for out in outs) == [False, True], logs
-    run_dir = tmp_path / "runs" / "meshyard-x"
-    assert [path.name for path in (tmp_path / "runs").iterdir()] == ["meshyard-x"]
-    assert json.loads((run_dir / "run.json").read_text())["world_size"] == 2
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -126,10 +126,18 @@ def node_store(params: RendezvousParameters) -> dist.TCPStore:
     raise AssertionError("unreachable: the last attempt is a client's, which returns or raises")
 
 
+class _NodesBackend(C10dRendezvousBackend):
+    """torch's c10d state backend under this backend's name (the registry checks it)."""
+
+    @property
+    def name(self) -> str:
+        return NODES_BACKEND
+
+
 def create_node_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The registry's constructor for ``NODES_BACKEND``."""
     store = node_store(params)
-    return dynamic_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    return dynamic_handler(store, _NodesBackend(store, params.run_id), params)
 
 
 def register_node_backend() -> None:
