@@ -153,7 +153,7 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
     ``Preempted`` when the run stopped for a preemption signal after saving.
     """
     env = detect_environment()
-    if env is not None:
+    if env is not None and not _launches_nodes_in_slurm(config, env.source):
         validate(config, env.world_size, earlier_problems)  # the one full check of this process
         config, resume = _resume_target(config, resume)
         return _run_as_rank(config, resume)
@@ -171,6 +171,13 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
     if config.run.nproc == 1 and nodes is None:
         return RunResult(run_dir, _run_in_process(args))
     return RunResult(run_dir, _run_local_workers(config, args, run_dir, nodes))
+
+
+def _launches_nodes_in_slurm(config: Config, source: str) -> bool:
+    """An srun task told to launch a node of a multi-node job (``meshyard slurm``'s script
+    runs one per node) starts that node's workers; it is not one rank of the srun step."""
+    launches_nodes = (node_range(config.run.nnodes) or (1, 1))[1] > 1 or bool(config.run.rdzv_endpoint)
+    return source == "slurm" and launches_nodes
 
 
 def _nodes_of(config: Config, job_id: str) -> Nodes | None:

@@ -13,7 +13,10 @@ from meshyard.doctor import cli as doctor_cli
 from meshyard.extras import MissingExtra
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
+from meshyard.launch import k8s_cli
 from meshyard.launch.local import WorkerFailure
+from meshyard.launch import place_cli
+from meshyard.launch import slurm_cli
 from meshyard.plan import cli as plan_cli
 from meshyard.verify import cli as verify_cli
 
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cli.add_parser(subparsers)
     doctor_cli.add_parsers(subparsers)
     bench_cli.add_bench_parser(subparsers)
+    place_cli.add_parser(subparsers)
+    k8s_cli.add_parser(subparsers)
+    slurm_cli.add_parser(subparsers)
     return parser
 
 
@@ -122,6 +128,9 @@ COMMANDS = {
     "doctor": _without_overrides(doctor_cli.doctor_main),
     "report": _without_overrides(doctor_cli.report_main),
     "bench": bench_cli.run_bench,
+    "place": place_cli.main,
+    "k8s": k8s_cli.main,
+    "slurm": slurm_cli.main,
 }
 
 

@@ -1,7 +1,7 @@
 """Optional dependencies: a feature that needs one says which pip extra installs it.
 
 meshyard's core installs only what training needs. Plots, the Prometheus endpoint,
-safetensors export, TensorBoard and object storage each come with an extra
+safetensors export, TensorBoard, object storage and Kubernetes manifests each come with an extra
 (``pip install 'meshyard[report]'`` and so on); asking for such a feature without its
 package is bad input, reported before anything runs.
 """
@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "safetensors": ("safetensors", "safetensors"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "s3fs": ("s3", "s3fs"),
+    "yaml": ("k8s", "pyyaml"),
 }
 
 

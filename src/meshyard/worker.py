@@ -204,6 +204,8 @@ def _record_restart(run_dir: Path, resumed_from: str | None, resumed_step: int) 
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": restart_count(),
              "resumed_from": resumed_from, "resumed_step": resumed_step,
              "last_recorded_step": last_step, "steps_lost": max(0, last_step - resumed_step)}
+    if os.environ.get("SLURM_RESTART_COUNT"):  # a requeued Slurm job: which requeue this is
+        entry["requeue"] = int(os.environ["SLURM_RESTART_COUNT"])
     with (run_dir / "restarts.jsonl").open("a") as handle:
         handle.write(json.dumps(entry) + "\n")
 

@@ -23,9 +23,19 @@ def test_kubeflow_pod():
 def test_slurm():
     env = detect_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                               "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
-                              "SLURM_JOB_ID": "123456"})
+                              "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"})
     assert (env.source, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 5, 8, 1, 4)
     assert env.master_addr == "gpu07" and env.master_port == 20000 + 123456 % 10000
+
+
+def test_a_batch_step_is_not_a_rank_of_its_job():
+    # sbatch gives the batch script the job's task count and SLURM_PROCID=0, but no step id:
+    # it starts the ranks (through srun) rather than being one.
+    batch = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "7",
+             "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    assert detect_environment(batch) is None
+    task = detect_environment({**batch, "SLURM_STEP_ID": "0"})
+    assert (task.source, task.rank, task.world_size) == ("slurm", 0, 8)
 
 
 def test_the_job_identity_is_the_schedulers_job_then_the_rendezvous_id():

@@ -38,7 +38,8 @@ def test_with_a_master_a_host_is_named_by_the_address_that_reaches_it(address):
     """The route to one of this host's own addresses starts from that address."""
     assert host_label({"MASTER_ADDR": address, "MASTER_PORT": "29500"}) == f"{HOSTNAME} ({address})"
     # Under Slurm without MASTER_ADDR the master is the nodelist's first host.
-    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": address}
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0",
+             "SLURM_JOB_NODELIST": address}
     assert master_address(slurm) == address and host_label(slurm) == f"{HOSTNAME} ({address})"
 
 

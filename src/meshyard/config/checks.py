@@ -197,6 +197,7 @@ def _fault_problems(f: FaultConfig) -> list[str]:
                for name in f.signals]
     return _failed([
         (f.max_restarts >= 0, f"fault.max_restarts = {f.max_restarts} must not be negative"),
+        (f.max_requeues >= 0, f"fault.max_requeues = {f.max_requeues} must not be negative (0 never requeues)"),
         (f.grace_period_s > 0, f"fault.grace_period_s = {f.grace_period_s} must be positive"),
         # Process groups hold their timeout as a timedelta, which overflows far beyond any useful wait.
         (0 < f.collective_timeout_s <= 365 * 86400,

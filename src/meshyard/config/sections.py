@@ -219,6 +219,10 @@ class FaultConfig:
     """Preemption and crash handling."""
 
     max_restarts: int = option(0, "Times the elastic agent restarts the workers after a failure (resuming each time).")
+    max_requeues: int = option(
+        3, "Times a Slurm job written by 'meshyard slurm' requeues itself after saving on its time-limit or "
+        "preemption signal (counted by SLURM_RESTART_COUNT); 0 never requeues.",
+    )
     grace_period_s: float = option(60.0, "Seconds from a preemption signal to the forced stop; the save must fit in it.")
     signals: list = option(["SIGTERM", "SIGINT", "SIGUSR1"], "Signals that mean 'save and stop' (on any rank).")
     hang_timeout_s: float = option(

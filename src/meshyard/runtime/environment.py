@@ -53,7 +53,9 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironme
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # sbatch gives the batch script itself SLURM_PROCID=0 and the job's SLURM_NTASKS, but
+    # only srun tasks have a SLURM_STEP_ID: a batch step is not a rank (it launches them).
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         job_id = int(env.get("SLURM_JOB_ID", "0"))
         return ClusterEnvironment(
             source="slurm",

@@ -1,0 +1,86 @@
+"""``meshyard k8s manifest``: parsing and YAML printing; the manifests themselves come
+from ``meshyard.launch.kubernetes``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from meshyard.config.load import collect_config
+from meshyard.extras import require
+from meshyard.launch.kubernetes import KINDS, ManifestRequest, manifests
+
+DESCRIPTION = """\
+Print the Kubernetes manifests of a meshyard job, for 'kubectl apply -f -': a ConfigMap
+holding the resolved config, mounted into every pod, and a Kubeflow PyTorchJob (training
+operator) or TrainJob (Kubeflow Trainer) whose pods each run one meshyard agent with one
+worker per GPU. The job's name names the run directory, so a restarted pod resumes from
+the newest checkpoint on the checkpoint volume (--checkpoint-pvc) or in object storage."""
+
+EPILOG = """\
+examples:
+  meshyard k8s manifest my.toml --image ghcr.io/me/train:1 --nodes 2 --gpus-per-node 8 \\
+      --checkpoint-pvc ckpt --run.dir=/runs | kubectl apply -f -
+  meshyard k8s manifest my.toml --image ghcr.io/me/train:1 --nodes 2:4 --gpus-per-node 8 \\
+      --checkpoint.dir=s3://bucket/ckpt --storage-secret s3-creds --queue team-a
+  meshyard k8s manifest my.toml --image ghcr.io/me/train:1 --kind trainjob --nodes 2 --gpus-per-node 8 \\
+      --checkpoint-pvc ckpt --checkpoint.dir=/ckpt
+
+Config fields can be set with --section.field=value, as for 'meshyard run'."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard k8s`` with its ``manifest`` subcommand."""
+    p = subparsers.add_parser("k8s", help="write Kubernetes manifests (Kubeflow PyTorchJob or TrainJob) for a config",
+                              description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="k8s_command", required=True, metavar="{manifest}")
+    manifest = sub.add_parser("manifest", help="print the ConfigMap and the job as YAML", description=DESCRIPTION,
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    manifest.add_argument("config", nargs="?", help="TOML config file (optional)")
+    manifest.add_argument("--image", default="", help="container image with meshyard and your code installed (required)")
+    manifest.add_argument("--nodes", default="1", metavar="N|MIN:MAX",
+                          help="pods (nodes) of the job, or a range for an elastic PyTorchJob (default 1)")
+    manifest.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                          help="GPUs per pod, one worker each (default 0: a CPU job with run.nproc workers per pod)")
+    manifest.add_argument("--kind", default="pytorchjob", metavar="|".join(KINDS),
+                          help="pytorchjob (Kubeflow training operator, default) or trainjob (Kubeflow Trainer)")
+    manifest.add_argument("--name", default="", help="the job's name (default: run.name); it names the run directory")
+    manifest.add_argument("--namespace", default="", help="namespace of the objects (default: kubectl's)")
+    manifest.add_argument("--checkpoint-pvc", default="", metavar="NAME",
+                          help="PersistentVolumeClaim mounted at checkpoint.dir (or, when that is empty, run.dir); "
+                          "ReadWriteMany for several pods")
+    manifest.add_argument("--storage-secret", default="", metavar="NAME",
+                          help="Secret whose entries become the pods' environment: credentials for an s3:// "
+                          "checkpoint.dir (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)")
+    manifest.add_argument("--queue", default="", metavar="NAME", help="Kueue LocalQueue to submit the job to")
+
+
+def _request(args: argparse.Namespace) -> ManifestRequest:
+    return ManifestRequest(image=args.image, nodes=args.nodes, gpus_per_node=args.gpus_per_node, kind=args.kind,
+                           namespace=args.namespace, checkpoint_pvc=args.checkpoint_pvc,
+                           storage_secret=args.storage_secret, queue=args.queue, name=args.name)
+
+
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Print the manifests; bad input raises ``ConfigError`` (or ``MissingExtra`` without PyYAML)."""
+    require("yaml", "meshyard k8s manifest")
+    config, problems = collect_config(args.config, overrides)
+    print(to_yaml(manifests(config, _request(args), problems)), end="")
+    return 0
+
+
+def to_yaml(documents: list[dict[str, Any]]) -> str:
+    """``documents`` as one YAML stream, keys in the order built, multi-line text (the
+    config) as a literal block that reads like the file."""
+    yaml = require("yaml", "meshyard k8s manifest")
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True  # the Master's and the Workers' pod templates are written out, not '*id001'
+
+    def text(dumper: Any, value: str) -> Any:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump_all(documents, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=120)
