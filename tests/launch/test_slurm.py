@@ -48,7 +48,9 @@ def test_the_script_asks_for_what_the_options_say(capsys, tmp_path):
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
     step = next(line for line in text.splitlines() if line.startswith("srun "))
     assert step.startswith("srun --kill-on-bad-exit=0 ") and step.endswith(" &")
-    assert ('run "$config" --nnodes 4 --nproc-per-node 8 --rdzv-endpoint "$head:29400" '
+    assert "port=$((20000 + SLURM_JOB_ID % 10000))" in text  # jobs sharing a first host meet apart
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"' in step  # srun does not inherit it
+    assert ('run "$config" --nnodes 4 --nproc-per-node 8 --rdzv-endpoint "$head:$port" '
             '--rdzv-id "slurm$SLURM_JOB_ID"') in step
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
 
@@ -153,7 +155,7 @@ def test_a_submitted_job_trains_to_the_end(slurm_localhost, tmp_path):
 
 
 def test_usr1_saves_requeues_and_the_rerun_finishes_every_step_once(slurm_localhost, tmp_path):
-    steps, batch = 60, 4
+    steps, batch = 200, 4  # ~10 s of training: the signal lands well before the end
     job_id, run_dir = _submit(tmp_path, "--data.source=tests/launch/slow_dataset.py:build",
                               f"--train.steps={steps}", "--fault.max_requeues=1", "--checkpoint.interval=0")
     _wait(job_id, lambda job: job["JobState"] == "RUNNING" and (run_dir / "metrics.jsonl").exists()

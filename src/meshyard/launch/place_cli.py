@@ -268,6 +268,11 @@ def render_text(placement: Placement, naive: Placement, comm: CommEstimate, naiv
 
 
 def _output(args: argparse.Namespace, placement: Placement, report: dict[str, Any], text: str) -> str:
+    if args.format != "text" and len(set(placement.counts)) > 1:
+        # A file for another tool carries no report: say it where a person sees it.
+        print(f"meshyard: the nodes take different GPU counts ({' + '.join(map(str, placement.counts))}); "
+              "launchers that start the same count on every node (meshyard run --nproc-per-node, the Slurm "
+              "script, Kubernetes jobs) need --gpus-per-node", file=sys.stderr)
     if args.format == "json":
         return json.dumps(report, indent=2) + "\n"
     if args.format == "hostfile":

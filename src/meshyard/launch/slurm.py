@@ -17,7 +17,9 @@ from meshyard.config.load import ConfigError
 from meshyard.config.sections import Config
 from meshyard.fault.preemption import EXIT_PREEMPTED
 
-RDZV_PORT = 29400
+RDZV_PORT_BASE = 20000
+"""The rendezvous port is RDZV_PORT_BASE + job id % 10000: jobs whose first host is the same
+node (shared nodes) meet on different ports."""
 _CONFIG_END = "MESHYARD_CONFIG_END"
 
 
@@ -131,13 +133,17 @@ def _step_block(config: Config, options: SlurmOptions, python: str) -> str:
     command = [
         shlex.quote(python), "-m", "meshyard.cli", "run", '"$config"', "--nnodes", str(options.nodes),
         *(["--nproc-per-node", str(nproc)] if nproc else []),
-        "--rdzv-endpoint", f'"$head:{RDZV_PORT}"', "--rdzv-id", '"slurm$SLURM_JOB_ID"',
+        "--rdzv-endpoint", '"$head:$port"', "--rdzv-id", '"slurm$SLURM_JOB_ID"',
     ]
     return "\n".join([
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % 10000))",
         # Each task is a node's agent, not a rank: told --nnodes and --rdzv-endpoint, meshyard
-        # starts the node's workers itself instead of joining the srun step as one rank.
-        "srun --kill-on-bad-exit=0 --ntasks-per-node=1 " + " ".join(command) + " &",
+        # starts the node's workers itself instead of joining the srun step as one rank. srun
+        # does not pass sbatch's CPUs per task on (Slurm 22.05+): without them the agent and
+        # all its workers would share one CPU where Slurm binds tasks to their CPUs.
+        "srun --kill-on-bad-exit=0 --ntasks-per-node=1 "
+        '--cpus-per-task="${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}" ' + " ".join(command) + " &",
         "step=$!",
         # srun passes USR1 on to every node's agent, whose ranks save and exit 75.
         "trap 'echo \"meshyard: USR1: every rank saves and stops\"; kill -USR1 \"$step\" 2>/dev/null' USR1",

@@ -16,7 +16,7 @@ from meshyard.validate import validate
 
 DESCRIPTION = """\
 Write the sbatch script of a meshyard job: one 'meshyard run' agent per node through srun,
-meeting at the allocation's first host (c10d rendezvous on port 29400), with the run
+meeting at the allocation's first host (c10d rendezvous on a port derived from the job id), with the run
 directory named by the Slurm job id. Before the time limit (or on preemption) Slurm sends
 USR1: every rank saves and stops, and the job requeues itself (at most fault.max_requeues
 times) and resumes in the same run directory."""
@@ -76,17 +76,30 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     return submit(config, text)
 
 
+SBATCH_TIMEOUT_S = 60
+
+
 def submit(config: Config, text: str) -> int:
     """Write ``text`` into ``<run.dir>/slurm`` and submit it; prints the job id."""
     if shutil.which("sbatch") is None:
         raise ConfigError(["sbatch is not on PATH: run 'meshyard slurm submit' on a Slurm login node, or print "
                            "the script with 'meshyard slurm script' and submit it there"], "slurm")
     folder = slurm_dir(config)
-    folder.mkdir(parents=True, exist_ok=True)  # Slurm opens the job's output file there
     # The job id is unknown until sbatch answers, so the script is named by the time.
     path = folder / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-    path.write_text(text)
-    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)  # Slurm opens the job's output file there
+        path.write_text(text)
+    except OSError as exc:
+        raise ConfigError([f"run.dir: cannot write the job script into {folder} ({exc.strerror}); choose a "
+                           "run.dir you can write to, on storage the nodes share"], "slurm") from None
+    try:
+        done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True,
+                              timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"meshyard: sbatch did not answer within {SBATCH_TIMEOUT_S} s (is slurmctld up? 'scontrol ping' "
+              f"says); the script is {path}", file=sys.stderr)
+        return 1
     if done.returncode != 0:
         print(f"meshyard: sbatch refused {path}: {done.stderr.strip()}", file=sys.stderr)
         return 1
