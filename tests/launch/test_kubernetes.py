@@ -14,6 +14,7 @@ Regenerate the golden files after an intended change with
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -450,3 +451,43 @@ def write_goldens() -> None:
 
 if __name__ == "__main__":
     write_goldens()
+
+
+# ---------------------------------------------------------------- placement
+
+def test_a_placement_keeps_the_pods_to_its_nodes(tmp_path, capsys, validators):
+    """`meshyard place --json` -> `k8s manifest --placement`: every pod gets the node affinity."""
+    inventory = tmp_path / "nodes.toml"
+    inventory.write_text('levels = ["leaf"]\n' + "".join(
+        f'[[nodes]]\nname = "{name}"\nfree_gpus = {free}\ngpu_memory_gb = 80\ndomains = ["{leaf}"]\n'
+        for name, free, leaf in (("a1", 8, "l1"), ("a2", 8, "l1"), ("b1", 8, "l2"), ("b2", 4, "l2"))))
+    assert main(["place", "--nodes", str(inventory), "--gpus", "16", "--json", "--model.name=gpt-tiny"]) == 0
+    placement = tmp_path / "placement.json"
+    placement.write_text(capsys.readouterr().out)
+    code, out, err = run_cli(["--image", IMAGE, "--nodes", "2", "--gpus-per-node", "8",
+                              "--checkpoint.dir=s3://b/c", "--placement", str(placement)], capsys)
+    assert code == 0, err
+    job = list(yaml.safe_load_all(out))[1]
+    assert schema_errors(validators, job) == []
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        terms = replica["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["a1", "a2"]  # one leaf, filled
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--nodes", "3"], "names 2 node(s) but --nodes 3"),
+    (["--nodes", "2", "--kind", "trainjob"], "take no node affinity"),
+])
+def test_a_placement_the_job_cannot_follow_is_refused(tmp_path, capsys, argv, fragment):
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"nodes": [{"name": "a1", "gpus": 8}, {"name": "a2", "gpus": 8}]}))
+    code, out, err = run_cli(["--image", IMAGE, "--gpus-per-node", "8", "--checkpoint.dir=s3://b/c",
+                              "--placement", str(placement), *argv], capsys)
+    assert code == 2 and out == "" and fragment in err
+
+
+def test_a_placement_file_that_is_not_places_json_is_refused(tmp_path, capsys):
+    bad = tmp_path / "placement.json"
+    bad.write_text("[1, 2]")
+    code, _, err = run_cli(["--image", IMAGE, "--placement", str(bad)], capsys)
+    assert code == 2 and "is not the JSON of 'meshyard place --json'" in err

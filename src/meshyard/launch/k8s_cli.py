@@ -4,9 +4,11 @@ from ``meshyard.launch.kubernetes``."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
-from meshyard.config.load import collect_config
+from meshyard.config.load import ConfigError, collect_config
 from meshyard.extras import require
 from meshyard.launch.kubernetes import KINDS, ManifestRequest, manifests
 
@@ -53,12 +55,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="Secret whose entries become the pods' environment: credentials for an s3:// "
                           "checkpoint.dir (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)")
     manifest.add_argument("--queue", default="", metavar="NAME", help="Kueue LocalQueue to submit the job to")
+    manifest.add_argument("--placement", default="", metavar="FILE",
+                          help="the JSON 'meshyard place --json' wrote: keep the pods to the nodes it chose")
 
 
 def _request(args: argparse.Namespace) -> ManifestRequest:
     return ManifestRequest(image=args.image, nodes=args.nodes, gpus_per_node=args.gpus_per_node, kind=args.kind,
                            namespace=args.namespace, checkpoint_pvc=args.checkpoint_pvc,
-                           storage_secret=args.storage_secret, queue=args.queue, name=args.name)
+                           storage_secret=args.storage_secret, queue=args.queue, name=args.name,
+                           placement=placed_nodes(args.placement) if args.placement else ())
+
+
+def placed_nodes(path: str) -> tuple[str, ...]:
+    """The node names of a ``meshyard place --json`` file, in node-rank order."""
+    try:
+        nodes = json.loads(Path(path).read_text())["nodes"]
+        return tuple(str(node["name"]) for node in nodes)
+    except OSError as exc:
+        problem = f"cannot be read ({exc.strerror})"
+    except (ValueError, KeyError, TypeError):
+        problem = "is not the JSON of 'meshyard place --json' ({\"nodes\": [{\"name\", \"gpus\"}, ...]})"
+    raise ConfigError([f"--placement {path} {problem}"], "arguments")
 
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -79,6 +79,8 @@ class ManifestRequest:
     queue: str = ""
     name: str = ""
     """The job's name; empty: ``run.name`` made into a valid Kubernetes name."""
+    placement: tuple[str, ...] = ()
+    """Node names chosen by ``meshyard place``: the pods are kept to them (node affinity)."""
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,27 @@ def request_problems(config: Config, request: ManifestRequest) -> list[str]:
          f"run.nproc = {config.run.nproc} but --gpus-per-node {gpus}: each pod starts one worker per GPU; "
          f"leave run.nproc at 0 or set it to {gpus}"),
     ]
-    return [message for ok, message in checks if not ok] + _name_problems(request)
+    return [message for ok, message in checks if not ok] + _name_problems(request) + _placement_problems(request)
+
+
+def _placement_problems(request: ManifestRequest) -> list[str]:
+    """A placement that the job cannot follow."""
+    if not request.placement:
+        return []
+    bounds = node_range(request.nodes) or (1, 1)
+    if request.kind == "trainjob":
+        return ["--placement: a TrainJob's pod overrides take no node affinity (Kubeflow Trainer offers only a "
+                "nodeSelector); use --kind pytorchjob, or label the chosen nodes and select them in the runtime"]
+    if len(set(request.placement)) < bounds[1]:
+        return [f"--placement names {len(set(request.placement))} node(s) but --nodes {request.nodes} needs room "
+                f"for {bounds[1]} pods; run 'meshyard place --json' for as many nodes, or lower --nodes"]
+    return []
+
+
+def node_affinity(names: tuple[str, ...]) -> dict[str, Any]:
+    """A pod's ``affinity`` keeping it to the nodes ``names`` (their hostname label)."""
+    term = {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": list(names)}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
 def _name_problems(request: ManifestRequest) -> list[str]:
@@ -341,7 +363,10 @@ def _pytorch_pod(job: PodJob, request: ManifestRequest) -> dict[str, Any]:
     if request.storage_secret:
         container["envFrom"] = _env_from(request)
     container["volumeMounts"] = mounts
-    return {"spec": {"containers": [container], "volumes": volumes}}
+    spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if request.placement:
+        spec["affinity"] = node_affinity(request.placement)
+    return {"spec": spec}
 
 
 def train_job(job: PodJob, request: ManifestRequest) -> dict[str, Any]:
