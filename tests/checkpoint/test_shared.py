@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -33,7 +34,8 @@ SCENARIOS = ("shared", "memory", "private", "unwritable")
 def open_storage(rank: int, port: int, roots: dict[str, str], out: str) -> None:
     """One rank of the test job: open each root through a ``CheckpointManager`` (which runs
     the check) and write, per scenario, what was raised and what the root holds after."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    # Rank 0 serves the store: the test process itself keeps no store thread alive.
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     results = {}
     try:
@@ -81,12 +83,14 @@ def job(tmp_path_factory):
     (base / "a-file").write_text("not a folder")
     roots = {"shared": str(base / "shared"), "memory": "memory://meshyard-probe-test",
              "private": str(private), "unwritable": str(base / "a-file" / "checkpoints")}
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     outs = [base / f"rank{rank}.json" for rank in (0, 1)]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    rank0 = _rank_command(0, host.port, roots, outs[0])
+    rank0 = _rank_command(0, port, roots, outs[0])
     # Rank 1 sees an empty tmpfs where rank 0 sees the real private folder: two nodes' local disks.
-    inner = " ".join(f"'{part}'" for part in _rank_command(1, host.port, roots, outs[1]))
+    inner = " ".join(f"'{part}'" for part in _rank_command(1, port, roots, outs[1]))
     rank1 = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
              f"mount -t tmpfs none '{private}' && exec {inner}"]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -171,6 +171,7 @@ def test_a_second_agent_told_to_serve_the_store_joins_it_instead():
     second.set("from-second", "1")
     assert first.get("from-second") == b"1"
     assert first.num_keys() == second.num_keys()
+    del second, first  # the client before the server, here rather than at a later collection
 
 
 # --- real launches --------------------------------------------------------------------
