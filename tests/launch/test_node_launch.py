@@ -18,9 +18,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from meshyard.cli import build_parser, main
 from meshyard.config.load import ConfigError, load_config
-from meshyard.launch.nodes import Nodes
+from meshyard.launch.nodes import Nodes, bind_interface
 from meshyard.launch.rendezvous import NODES_BACKEND, node_store
 from meshyard.runtime.environment import job_identity
+from meshyard.runtime.network import Route
 from meshyard.validate import validate_local_launch
 from tests.conftest import tiny_config
 
@@ -186,3 +187,10 @@ def test_one_node_of_two_alone_says_the_nodes_did_not_meet(tmp_path):
     [paragraph] = [line for line in err.splitlines() if line.startswith("meshyard:")]
     assert "the nodes did not meet" in paragraph
     assert f"127.0.0.1:{port}" in paragraph and "'t'" in paragraph and "run.rdzv_timeout_s" in paragraph
+
+
+def test_an_interface_the_user_chose_is_kept():
+    route = Route(endpoint_addr="10.0.0.1", local_addr="10.0.0.2", interface="eth1", is_local=False)
+    environ = {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert bind_interface(route, environ) == ["NCCL_SOCKET_IFNAME"]
+    assert environ == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "eth1"}

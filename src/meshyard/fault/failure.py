@@ -159,22 +159,24 @@ def first_failure(run_dir: Path, job: str, restart: int, since: float = 0.0) -> 
     ``restart`` of elastic job ``job``, at ``since`` or later (a job id that outlives a
     launch, such as a rendezvous id, must not bring back an earlier launch's failures);
     None when no rank of it raised (they were killed, or exited on purpose)."""
-    records = [record for path in (run_dir / "logs" / "failures").glob(f"restart{restart}-rank*.json")
-               if (record := _read_record(path)) is not None and record.get("job") == job
-               and record["time"] >= since]
-    if not records:
-        return None
-    earliest = min(records, key=lambda record: record["time"])
-    return _paragraph(earliest["summary"], earliest["log"])
+    earliest = _earliest_record(run_dir, f"restart{restart}-rank*.json", job, since, ("summary", "log"))
+    return _paragraph(earliest["summary"], earliest["log"]) if earliest is not None else None
 
 
-def _read_record(path: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    wanted = ("time", "summary", "log")
-    return record if isinstance(record, dict) and all(key in record for key in wanted) else None
+def _earliest_record(run_dir: Path, pattern: str, job: str, since: float,
+                     wanted: tuple[str, ...]) -> dict[str, Any] | None:
+    """The earliest readable record ``logs/failures/<pattern>`` of elastic job ``job`` made
+    at ``since`` or later that holds the ``wanted`` keys."""
+    records = []
+    for path in (run_dir / "logs" / "failures").glob(pattern):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and all(key in record for key in ("time", *wanted)) \
+                and record.get("job") == job and record["time"] >= since:
+            records.append(record)
+    return min(records, key=lambda record: record["time"]) if records else None
 
 
 def exit_description(rank: int, exit_code: int, run_dir: Path | None) -> str:
@@ -217,16 +219,7 @@ def recorded_bad_input(run_dir: Path | None, job: str, since: float = 0.0) -> tu
     recorded under ``run_dir`` at ``since`` or later, if any."""
     if run_dir is None:
         return None
-    records = []
-    for path in (run_dir / "logs" / "failures").glob("bad-input-rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("job") == job and isinstance(record.get("problems"), list) \
-                and record.get("time", 0) >= since:
-            records.append(record)
-    if not records:
+    earliest = _earliest_record(run_dir, "bad-input-rank*.json", job, since, ("problems", "source"))
+    if earliest is None:
         return None
-    earliest = min(records, key=lambda record: record.get("time", 0))
-    return [str(problem) for problem in earliest["problems"]], str(earliest.get("source", "configuration"))
+    return [str(problem) for problem in earliest["problems"]], str(earliest["source"])

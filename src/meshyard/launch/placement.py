@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 from meshyard.launch.inventory import Inventory, Node, few
 
+
 class PlacementError(ValueError):
     """A job that cannot be placed; the message says what is missing and where GPUs are free."""
 
