@@ -297,6 +297,41 @@ class RunConfig:
     threads_per_rank: int = option(1, "CPU threads per rank (torch.set_num_threads); 0 leaves torch's default.")
 
 
+@dataclass
+class ServeConfig:
+    """How 'meshyard serve' answers requests for a trained model."""
+
+    host: str = option("127.0.0.1", "Address the server binds (loopback unless you open it, e.g. 0.0.0.0 in a pod).")
+    port: int = option(8000, "Port of the server; 0 lets the OS choose (printed, and written to --ready-file).")
+    max_batch_size: int = option(16, "Requests run together in one forward pass; 1 turns batching off.")
+    max_wait_ms: float = option(
+        5.0, "How long a batch waits for more requests, counted from the first request entering an empty "
+        "queue; a full batch leaves at once.",
+    )
+    max_queue: int = option(256, "Requests waiting per model version; more are answered 503 with Retry-After.")
+    scheduler: Literal["dynamic", "continuous"] = option(
+        "dynamic", "Generation batching: 'dynamic' (a batch runs to its longest completion) or 'continuous' "
+        "(requests join and leave the running batch between decoding steps; needs a model with a KV cache).",
+    )
+    runtime: Literal["eager", "torchscript", "onnxruntime"] = option(
+        "eager", "What runs the model: eager PyTorch, a TorchScript export or an ONNX export in ONNX Runtime.")
+    request_timeout_s: float = option(30.0, "Deadline of a request from arrival; later it is answered 504.")
+    max_new_tokens: int = option(256, "Largest max_new_tokens a generate request may ask for.")
+    max_body_bytes: int = option(1_048_576, "Largest request body; a bigger one is answered 413.")
+    memory_budget_bytes: int = option(
+        0, "Bytes the loaded models may take together; above it, idle models are evicted (longest idle and "
+        "cheapest to load again first; pinned ones never). 0: no limit.",
+    )
+    pinned: list = option([], "Model names loaded at start-up and never evicted; /readyz waits for them.")
+    cache: str = option(
+        "memory", "Prediction cache for deterministic requests: 'memory' (in-process LRU), 'off', or a Redis "
+        "URL such as redis://127.0.0.1:6379/0 shared by replicas.",
+    )
+    cache_entries: int = option(4096, "Entries of the in-process prediction cache.")
+    cache_ttl_s: float = option(3600.0, "Seconds a Redis cache entry lives; 0 keeps it until Redis evicts it.")
+    threads: int = option(0, "CPU threads for inference (torch.set_num_threads); 0 leaves torch's default.")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -309,6 +344,7 @@ SECTIONS: dict[str, type] = {
     "fault": FaultConfig,
     "metrics": MetricsConfig,
     "run": RunConfig,
+    "serve": ServeConfig,
 }
 
 
@@ -327,3 +363,4 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)

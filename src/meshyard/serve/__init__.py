@@ -1,0 +1,1 @@
+"""Serving trained models over HTTP: ``meshyard serve``."""

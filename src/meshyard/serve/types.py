@@ -1,0 +1,68 @@
+"""Values passed between the server's parts: what a request asks for and how it can fail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one completion is drawn. ``temperature`` 0 is greedy; ``top_k`` 0 keeps the whole
+    vocabulary; a ``seed`` makes sampling repeatable (each request draws from its own
+    generator, so a request's tokens do not depend on what it was batched with)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """The same input always gives the same tokens (what the prediction cache may keep)."""
+        return self.temperature == 0.0 or self.seed is not None
+
+
+class ServeError(Exception):
+    """A request the server answers with ``status`` and a one-paragraph ``message``."""
+
+    status = 500
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+
+class BadRequest(ServeError):
+    """The request itself is wrong (400 malformed, 413 too large, 422 invalid values)."""
+
+    status = 422
+
+
+class NotFound(ServeError):
+    """No such model or version (404)."""
+
+    status = 404
+
+
+class QueueFull(ServeError):
+    """The model's queue is full (503); ``retry_after_s`` goes into the Retry-After header."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(ServeError):
+    """The request was not answered before its deadline (504)."""
+
+    status = 504
+
+
+class Unavailable(ServeError):
+    """The model cannot be loaded or run right now (503), e.g. it does not fit the memory budget."""
+
+    status = 503
