@@ -1,0 +1,210 @@
+"""Dynamic batching in `meshyard serve`: throughput and latency with batching on and off,
+side by side on the same model, in the same job.
+
+Two server processes serve the same checkpoint: one batches (serve.max_batch_size, waiting
+at most serve.max_wait_ms for a batch to fill), the other runs every request alone
+(max_batch_size 1). For each concurrency a bounded closed-loop load generator on loopback
+keeps that many requests in flight (each client sends its next request when the last one
+is answered) until it has sent its share; the servers take turns, so both see the same
+machine. The prediction cache is off and every prompt differs, so every request runs the
+model. Printed: requests/s and p50/p95/p99 latency for each side, the throughput ratio
+and the p95 ratio (target: >= 3x throughput at equal or lower p95 for concurrency >= 16).
+
+A low-traffic run then sends one request at a time with pauses between them: there a
+batch never fills, so batching can only add its wait; its p99 must exceed the unbatched
+p99 by at most max_wait_ms.
+
+    python benchmarks/serve.py [--run RUN_DIR] [--model gpt-mini] [--concurrency 1,4,16,32]
+                               [--requests 256] [--new-tokens 8] [--prompt-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+import meshyard
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_run(args: argparse.Namespace, folder: Path) -> Path:
+    """A checkpointed run of the benchmark's model: weights do not matter for speed."""
+    run_dir = folder / "run"
+    config = meshyard.load_config(None, [
+        f"--model.name={args.model}", "--data.source=random", "--data.vocab_size=256",
+        f"--data.seq_len={args.prompt_tokens + args.new_tokens}", "--train.steps=1", "--train.global_batch=2",
+        "--train.eval_every=0", "--metrics.progress_bar=false", "--checkpoint.enabled=true",
+        "--checkpoint.async_save=false", f"--run.run_dir={run_dir}", "--run.name=bench",
+    ])
+    meshyard.run(config, nproc=1, resume="none")
+    return run_dir
+
+
+class ServerProcess:
+    """One `meshyard serve` process on a free loopback port."""
+
+    def __init__(self, run_dir: Path, folder: Path, label: str, *overrides: str) -> None:
+        self.ready_file = folder / f"{label}.ready.json"
+        self.log = open(folder / f"{label}.log", "w")
+        command = [sys.executable, "-m", "meshyard.cli", "serve", str(run_dir), "--port", "0",
+                   "--ready-file", str(self.ready_file), "--cache", "off", "--serve.max_queue=4096",
+                   "--serve.request_timeout_s=600", *overrides]
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+        self.url = self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"server exited with {self.process.returncode}; see {self.log.name}")
+            if self.ready_file.exists() and self.ready_file.read_text().strip():
+                url = json.loads(self.ready_file.read_text())["url"]
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    return url
+            time.sleep(0.1)
+        raise SystemExit(f"server not ready after {timeout_s:.0f} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def closed_loop(url: str, model: str, concurrency: int, requests: int, args: argparse.Namespace,
+                      pause_s: float = 0.0, seed: int = 0) -> tuple[float, list[float]]:
+    """Wall seconds and per-request latencies of ``requests`` requests, ``concurrency`` at a time."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 256) for _ in range(args.prompt_tokens)] for _ in range(requests)]
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def one_client(share: list[list[int]]) -> None:
+            for prompt in share:
+                start = time.perf_counter()
+                response = await client.post(f"/v1/models/{model}/generate",
+                                             json={"tokens": prompt, "max_new_tokens": args.new_tokens})
+                latencies.append(time.perf_counter() - start)
+                if response.status_code != 200:
+                    raise SystemExit(f"request failed: {response.status_code} {response.text}")
+                if pause_s:
+                    await asyncio.sleep(pause_s)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client(prompts[i::concurrency]) for i in range(concurrency)))
+        return time.perf_counter() - start, latencies
+
+
+def mean_batch_size(url: str) -> float:
+    """From the server's batch-size histogram: the mean size of the batches it ran."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("meshyard_serve_batch_size_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("meshyard_serve_batch_size_count"):
+            count += float(line.split()[-1])
+    return total / count if count else 0.0
+
+
+def summary(wall_s: float, latencies: list[float]) -> dict[str, float]:
+    return {"rps": len(latencies) / wall_s, "p50": percentile(latencies, 50) * 1e3,
+            "p95": percentile(latencies, 95) * 1e3, "p99": percentile(latencies, 99) * 1e3}
+
+
+def sweep(servers: dict[str, ServerProcess], args: argparse.Namespace) -> list[tuple[int, dict, dict]]:
+    rows = []
+    for concurrency in args.concurrency:
+        figures = {}
+        for label in ("batched", "unbatched"):  # warm both first, then measure in turn
+            asyncio.run(closed_loop(servers[label].url, "bench", concurrency, concurrency * 2, args, seed=1))
+        for label in ("batched", "unbatched"):
+            wall, latencies = asyncio.run(closed_loop(servers[label].url, "bench", concurrency,
+                                                      args.requests, args, seed=concurrency))
+            figures[label] = summary(wall, latencies)
+        rows.append((concurrency, figures["batched"], figures["unbatched"]))
+    return rows
+
+
+def print_sweep(rows: list[tuple[int, dict, dict]], args: argparse.Namespace) -> bool:
+    print(f"{'conc':>5} | {'batched: req/s   p50   p95   p99 (ms)':>40} | {'unbatched: req/s   p50   p95   p99':>36}"
+          f" | {'x req/s':>7} {'p95 b/u':>7}")
+    met = True
+    for concurrency, on, off in rows:
+        ratio, p95_ratio = on["rps"] / off["rps"], on["p95"] / off["p95"]
+        print(f"{concurrency:>5} | {on['rps']:>18.1f} {on['p50']:>6.1f} {on['p95']:>6.1f} {on['p99']:>6.1f}"
+              f" | {off['rps']:>17.1f} {off['p50']:>6.1f} {off['p95']:>6.1f} {off['p99']:>6.1f}"
+              f" | {ratio:>7.2f} {p95_ratio:>7.2f}")
+        if concurrency >= 16:
+            met &= ratio >= 3.0 and p95_ratio <= 1.0
+    print(f"target (concurrency >= 16): >= 3x throughput at equal or lower p95: {'met' if met else 'NOT met'}")
+    return met
+
+
+def low_traffic(servers: dict[str, ServerProcess], args: argparse.Namespace) -> bool:
+    """One request at a time, 20 ms apart: batching can only add its wait."""
+    p99 = {}
+    for label in ("batched", "unbatched"):
+        _, latencies = asyncio.run(closed_loop(servers[label].url, "bench", 1, args.low_traffic_requests, args,
+                                               pause_s=0.02, seed=99))
+        p99[label] = percentile(latencies, 99) * 1e3
+        print(f"low traffic, {label:<9}: p50 {statistics.median(latencies) * 1e3:.1f} ms, p99 {p99[label]:.1f} ms")
+    added = p99["batched"] - p99["unbatched"]
+    met = added <= args.max_wait_ms
+    print(f"p99 added by batching at low traffic: {added:+.1f} ms (max_wait_ms {args.max_wait_ms:g}): "
+          f"{'within' if met else 'OVER'}")
+    return met
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", help="run directory to serve (default: train --model for one step)")
+    parser.add_argument("--model", default="gpt-mini")
+    parser.add_argument("--concurrency", default="1,4,16,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--requests", type=int, default=256, help="requests per side and concurrency")
+    parser.add_argument("--low-traffic-requests", type=int, default=100)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder_name:
+        folder = Path(folder_name)
+        run_dir = Path(args.run) if args.run else train_run(args, folder)
+        servers = {
+            "batched": ServerProcess(run_dir, folder, "batched", f"--serve.max_batch_size={args.max_batch}",
+                                     f"--serve.max_wait_ms={args.max_wait_ms}"),
+            "unbatched": ServerProcess(run_dir, folder, "unbatched", "--serve.max_batch_size=1"),
+        }
+        try:
+            print(f"model {args.model}: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each, "
+                  f"max_batch_size {args.max_batch}, max_wait_ms {args.max_wait_ms:g}, {args.requests} requests per cell")
+            rows = sweep(servers, args)
+            met = print_sweep(rows, args)
+            print(f"mean batch size of the batching server: {mean_batch_size(servers['batched'].url):.1f}")
+            met &= low_traffic(servers, args)
+        finally:
+            for server in servers.values():
+                server.stop()
+    sys.exit(0 if met else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""From a path a user gave to a served model: what it is (``describe``, cheap) and the
+loaded engine (``load_engine``).
+
+A path is one of:
+
+- a run directory: its ``config.toml`` and its newest valid checkpoint;
+- a checkpoint (``.../checkpoints/step-N``) or a folder of them: that checkpoint, or the
+  folder's newest valid one, with the config of the run directory that holds them (else
+  the config the checkpoint's manifest recorded);
+- a file: a model written by ``meshyard export``, described and loaded by
+  ``meshyard.serve.runtimes``.
+
+``describe`` reads configs and manifests only, so a server can list and route every
+model before loading any. Its version names exactly the checkpoint it found, and
+``load_engine`` loads that checkpoint, not a newer one saved in between.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshyard.checkpoint.locate import KINDS as LOCATE_KINDS
+from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate
+from meshyard.checkpoint.tools import model_state
+from meshyard.config.load import ConfigError, config_from_dict, load_config
+from meshyard.config.sections import Config
+from meshyard.data.corpus import BYTE_VOCAB
+from meshyard.models.registry import build_model
+from meshyard.plugins import PluginError
+from meshyard.serve.engine import EagerEngine, Engine
+from meshyard.serve.tokenizer import BYTE_SOURCES, Tokenizer, tokenizer_for
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.toml"
+KINDS = ("give a run directory (it holds config.toml and checkpoints/), one of its checkpoints "
+         "(.../checkpoints/step-NNNNNNNN), or a file written by 'meshyard export'")
+
+
+class ModelSourceError(ValueError):
+    """A path that cannot be served; the message names it and says what to give instead."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to serve, as far as it is known without loading its weights."""
+
+    path: str  # what the user gave
+    name: str  # served name (run.name unless NAME=PATH)
+    version: str  # "step-<N>.<6 hex of the manifest's digest>"; an export: its own
+    vocab_size: int
+    context_length: int
+    tokenizer: Tokenizer | None = field(compare=False)
+    estimated_bytes: int  # the checkpoint's model tensors, or the export's size
+    config: Config | None = field(compare=False, repr=False)  # the run's config, when there is one
+    checkpoint: str = ""  # the checkpoint this version is (empty for an export)
+
+
+def describe(path: str, name: str | None = None) -> ModelSource:
+    """What ``path`` serves (see the module docstring), under ``name`` or its run's name.
+
+    Raises ``ModelSourceError`` when the path does not exist, holds no valid checkpoint,
+    or has no config to build the model from.
+    """
+    target = Path(path).expanduser()
+    if target.is_file():
+        from meshyard.serve import runtimes  # the export side; imported only for a file
+
+        return runtimes.describe_export(path, name)
+    if not target.exists():
+        raise ModelSourceError(f"{path} does not exist; {KINDS}")
+    ref = _checkpoint_of(path)
+    config = _config_of(target, ref)
+    return ModelSource(
+        path=path, name=name or config.run.name, version=version_of(ref),
+        vocab_size=_vocab_size(config, ref, path), context_length=config.model.context_length or config.data.seq_len,
+        tokenizer=tokenizer_for(config.data), estimated_bytes=_estimated_bytes(ref), config=config,
+        checkpoint=ref.location,
+    )
+
+
+def load_engine(source: ModelSource, runtime: str = "eager", device: str | torch.device = "cpu") -> Engine:
+    """The engine of ``source``: an export through its runtime, a checkpoint as an
+    ``EagerEngine`` (the model built from the run's config, its weights loaded) on ``device``."""
+    if not source.checkpoint and Path(source.path).expanduser().is_file():
+        from meshyard.serve import runtimes  # the export side; imported only for a file
+
+        return runtimes.load_export_engine(source, runtime)
+    if runtime != "eager":
+        raise ModelSourceError(
+            f"{source.path} is a checkpoint, which runs only in the 'eager' runtime, not '{runtime}'; export "
+            f"the model first with meshyard export {source.path} --format torchscript --out MODEL.pt (or "
+            "--format onnx for onnxruntime) and serve that file, or serve this path with --runtime eager")
+    if source.config is None:
+        raise ModelSourceError(f"{source.path}: no run config is known, so the model cannot be built; {KINDS}")
+    ref = _checkpoint_of(source.checkpoint or source.path)
+    module = _build(source, source.config, device)
+    _load_weights(module, model_state(ref), ref)
+    return EagerEngine(module, source.vocab_size, source.context_length)
+
+
+def version_of(ref: CheckpointRef) -> str:
+    """``step-<N>.<6 hex>``: the checkpoint's step and a digest of its manifest, which
+    records every file's checksum, so two runs' checkpoints of one step differ."""
+    step = ref.manifest.get("step", int(ref.name.rpartition("-")[2]))
+    digest = hashlib.sha256(json.dumps(ref.manifest, sort_keys=True).encode()).hexdigest()
+    return f"step-{step}.{digest[:6]}"
+
+
+def _checkpoint_of(location: str) -> CheckpointRef:
+    """The newest valid checkpoint ``location`` names (or that one checkpoint). Why newer
+    checkpoints were skipped is logged, and is part of the error when none is valid."""
+    skipped: list[str] = []
+
+    def report(message: str) -> None:
+        skipped.append(message)
+        log.warning("%s", message)
+
+    try:
+        return locate(location, {}, report=report)
+    except LocationError as exc:
+        # locate's own advice speaks of resuming; the server's takes its place.
+        problem = str(exc).removesuffix(f"; {LOCATE_KINDS}").removesuffix("; give a checkpoint kept elsewhere")
+        reasons = "; ".join(message.removesuffix("; trying the previous one") for message in skipped)
+        problem = problem.replace("(the reasons are above)", f"({reasons})" if reasons else "")
+        raise ModelSourceError(f"{problem}; to serve a model {KINDS}") from None
+
+
+def _config_of(target: Path, ref: CheckpointRef) -> Config:
+    """The run's config: ``config.toml`` of the run directory given or holding the
+    checkpoint folder, else the config the checkpoint's manifest recorded."""
+    for candidate in (target / CONFIG_FILE, Path(ref.root).parent / CONFIG_FILE):
+        if candidate.is_file():
+            try:
+                return load_config(candidate)
+            except ConfigError as exc:
+                raise ModelSourceError(f"{candidate} cannot be read as a meshyard config ({'; '.join(exc.problems)}); "
+                                       "fix it, or serve a checkpoint whose run config is readable") from None
+    recorded = ref.manifest.get("config")
+    if isinstance(recorded, str):
+        try:
+            return config_from_dict(tomllib.loads(recorded))
+        except (ValueError, ConfigError):
+            pass  # reported below, as no config at all
+    raise ModelSourceError(f"{target}: found the checkpoint {ref.location} but no run config beside it (no "
+                           f"{CONFIG_FILE} in the run directory, none recorded in its manifest), so the model "
+                           f"cannot be built; {KINDS}")
+
+
+def _model_tensors(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors in the checkpoint's DCP metadata (shapes and dtypes, no data);
+    empty when the metadata cannot be read."""
+    store = ref.store()
+    try:
+        metadata = store.dcp_reader(store.path(ref.name)).read_metadata()
+    except Exception as exc:  # a damaged or foreign file: fall back to what else is known
+        log.warning("cannot read the tensor metadata of %s: %s", ref.location, exc)
+        return {}
+    return {key[len("model."):]: value for key, value in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+
+
+def _estimated_bytes(ref: CheckpointRef) -> int:
+    """Bytes of the model's tensors (tied ones twice), else of all the checkpoint's files."""
+    tensors = _model_tensors(ref)
+    if tensors:
+        return sum(t.size.numel() * t.properties.dtype.itemsize for t in tensors.values())
+    files: dict[str, Any] = ref.manifest.get("files", {})
+    return sum(int(f.get("size", 0)) for f in files.values())
+
+
+def _vocab_size(config: Config, ref: CheckpointRef, path: str) -> int:
+    """``model.vocab_size``, else the data's (256 for byte text and for unsized random
+    tokens, else ``data.vocab_size``), else the rows of the checkpoint's token embedding."""
+    if config.model.vocab_size:
+        return config.model.vocab_size
+    if config.data.source in BYTE_SOURCES:
+        return BYTE_VOCAB
+    if config.data.vocab_size:
+        return config.data.vocab_size
+    if config.data.source == "random":
+        return BYTE_VOCAB
+    rows = vocab_from_shapes({key: tuple(t.size) for key, t in _model_tensors(ref).items()})
+    if rows is None:
+        raise ModelSourceError(f"{path}: the vocabulary size is not in the run's config (model.vocab_size, "
+                               "data.vocab_size) and no token embedding was found in the checkpoint; set "
+                               "model.vocab_size in the run's config.toml and serve it again")
+    return rows
+
+
+def vocab_from_shapes(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The vocabulary of a language model's state from its tensor shapes: the rows of its
+    token embedding (a 2-D ``*emb*`` weight that is not a position embedding), else of its
+    output head; None when neither is found."""
+    matrices = {key: shape for key, shape in shapes.items() if len(shape) == 2 and key.endswith("weight")}
+    embeddings = [shape[0] for key, shape in matrices.items() if "emb" in key and "pos" not in key]
+    heads = [shape[0] for key, shape in matrices.items() if key.rpartition(".")[0].endswith(("head", "output"))]
+    found = embeddings or heads
+    return found[0] if found else None
+
+
+def _build(source: ModelSource, config: Config, device: str | torch.device) -> torch.nn.Module:
+    """The run's model, freshly built on ``device`` with the served vocabulary."""
+    try:
+        with torch.device(device):
+            return build_model(config.model, source.vocab_size, config.data.seq_len)
+    except (PluginError, TypeError) as exc:
+        raise ModelSourceError(f"{source.path}: the run's model '{config.model.name}' cannot be built here "
+                               f"({exc}); serve from where its model file can be found (the run's model.name "
+                               "is resolved from the current directory unless absolute)") from None
+
+
+def _load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], ref: CheckpointRef) -> None:
+    """Copy the checkpoint's tensors into ``module``; every key and shape must match."""
+    fix = "serve the run directory that saved this checkpoint, with its own config.toml"
+    try:
+        result = module.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a shape that differs
+        raise ModelSourceError(f"{ref.location} does not fit the model its run's config builds "
+                               f"({str(exc).splitlines()[-1].strip()}); {fix}") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise ModelSourceError(
+            f"{ref.location} does not fit the model its run's config builds: missing {result.missing_keys[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}; {fix}")

@@ -1,0 +1,50 @@
+"""Choosing each row's next token from its logits: greedy, or drawn with temperature and top-k.
+
+Every row draws from its own generator (seeded from the request), so what a request gets
+never depends on which other requests shared its batch or in what order they came.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshyard.serve.types import Sampling
+
+
+def generator_for(sampling: Sampling) -> torch.Generator | None:
+    """A CPU generator seeded with the request's seed; None for greedy decoding (it draws
+    nothing) and for unseeded sampling (which draws from torch's default generator)."""
+    if sampling.temperature == 0.0 or sampling.seed is None:
+        return None
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(sampling.seed)
+    return generator
+
+
+def next_tokens(logits: torch.Tensor, sampling: list[Sampling],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """The next token of each row of ``logits`` ([B, V]) as a LongTensor [B] on the CPU.
+
+    Row i is the argmax when ``sampling[i].temperature`` is 0; otherwise it is drawn from
+    softmax(logits / temperature) restricted to the ``top_k`` largest logits (all of them
+    for top_k 0), with ``generators[i]``.
+    """
+    if logits.dim() != 2 or len(sampling) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(f"next_tokens needs logits [B, V] with one Sampling and one generator per row; "
+                         f"got logits {tuple(logits.shape)}, {len(sampling)} Sampling, {len(generators)} generators")
+    # Sampling happens on the CPU in float32: generators are CPU ones, and a row's draw must
+    # not change with the device or precision the model ran in.
+    rows = logits.detach().to(device="cpu", dtype=torch.float32)
+    chosen = [_choose(rows[i], sampling[i], generators[i]) for i in range(rows.shape[0])]
+    return torch.tensor(chosen, dtype=torch.long)
+
+
+def _choose(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One row's token (see ``next_tokens``)."""
+    if sampling.temperature == 0.0:
+        return int(torch.argmax(row))
+    k = row.shape[0] if sampling.top_k <= 0 else min(sampling.top_k, row.shape[0])
+    values, ids = torch.topk(row / sampling.temperature, k)
+    probs = torch.softmax(values, dim=0)
+    pick = torch.multinomial(probs, 1, generator=generator)
+    return int(ids[pick])
