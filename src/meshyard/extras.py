@@ -24,6 +24,12 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard"),
     "s3fs": ("s3", "s3fs"),
     "yaml": ("k8s", "pyyaml"),
+    "starlette": ("serve", "starlette"),
+    "uvicorn": ("serve", "uvicorn"),
+    "redis": ("redis", "redis"),
+    "onnx": ("export", "onnx"),
+    "onnxscript": ("export", "onnxscript"),
+    "onnxruntime": ("export", "onnxruntime"),
 }
 
 

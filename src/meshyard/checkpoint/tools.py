@@ -49,18 +49,20 @@ def list_checkpoints(location: str, options: dict[str, Any], checksums: bool = F
     return rows
 
 
-def read_full_state(ref: CheckpointRef) -> dict[str, Any]:
-    """Every entry of a DCP checkpoint as full (unsharded) tensors in this process."""
+def read_full_state(ref: CheckpointRef, entries: set[str] | None = None) -> dict[str, Any]:
+    """The entries of a DCP checkpoint (all, or the top-level ones named in ``entries``) as
+    full (unsharded) tensors in this process."""
     state: dict[str, Any] = {}
     store = ref.store()
     _load_state_dict(state, storage_reader=store.dcp_reader(store.path(ref.name)),
-                     planner=_SafeFullStatePlanner(), no_dist=True)
+                     planner=_SafeFullStatePlanner(keys=entries), no_dist=True)
     return state
 
 
 def model_state(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers under their plain module names."""
-    return dict(read_full_state(ref)["model"])
+    """The model's parameters and buffers under their plain module names; the optimizer's
+    state (twice the model's size under AdamW) is never read."""
+    return dict(read_full_state(ref, {"model"})["model"])
 
 
 def export(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print) -> Path:

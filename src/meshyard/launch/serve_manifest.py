@@ -134,8 +134,7 @@ class CheckpointSize(NamedTuple):
     model: int
     """The model's tensors (tied ones twice: the checkpoint holds both names)."""
     read: int
-    """Every tensor a load reads: ``checkpoint.tools.model_state`` reads the whole checkpoint,
-    the optimizer's state included, before it keeps the model's part."""
+    """Every tensor a load reads: ``checkpoint.tools.model_state`` reads the model's entries only."""
 
 
 def checkpoint_size(run_dir: str, config: Config) -> CheckpointSize:
@@ -156,7 +155,8 @@ def checkpoint_size(run_dir: str, config: Config) -> CheckpointSize:
                            "with a valid checkpoint"], "serving manifest") from None
     sizes = {key: math.prod(meta.size) * meta.properties.dtype.itemsize for key, meta in entries.items()
              if isinstance(meta, TensorStorageMetadata)}
-    return CheckpointSize(sum(size for key, size in sizes.items() if key.startswith("model.")), sum(sizes.values()))
+    model = sum(size for key, size in sizes.items() if key.startswith("model."))
+    return CheckpointSize(model, model)
 
 
 def memory_for(size: CheckpointSize, serve: ServeConfig, gpus: int) -> str:
