@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshyard.config.load import load_config
 from meshyard.config.sections import Config
+from meshyard.runtime.distributed import shutdown_distributed
 from meshyard.validate import with_local_nproc
 
 
@@ -26,8 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def destroy_process_groups():
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed(settle_s=2.0)  # each group freed here, never on its own gloo thread
 
 
 def tiny_config(tmp_path: Path, *overrides: str) -> Config:

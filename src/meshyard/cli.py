@@ -10,6 +10,7 @@ from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
 from meshyard.doctor import cli as doctor_cli
+from meshyard.export import cli as export_cli
 from meshyard.extras import MissingExtra
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
@@ -18,6 +19,7 @@ from meshyard.launch.local import WorkerFailure
 from meshyard.launch import place_cli
 from meshyard.launch import slurm_cli
 from meshyard.plan import cli as plan_cli
+from meshyard.serve import cli as serve_cli
 from meshyard.verify import cli as verify_cli
 
 
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     place_cli.add_parser(subparsers)
     k8s_cli.add_parser(subparsers)
     slurm_cli.add_parser(subparsers)
+    serve_cli.add_parser(subparsers)
+    export_cli.add_parser(subparsers)
     return parser
 
 
@@ -131,6 +135,8 @@ COMMANDS = {
     "place": place_cli.main,
     "k8s": k8s_cli.main,
     "slurm": slurm_cli.main,
+    "serve": serve_cli.main,
+    "export": _without_overrides(export_cli.main),
 }
 
 

@@ -13,7 +13,7 @@ from typing import Iterable
 
 from meshyard.config.sections import (CheckpointConfig, CommConfig, Config, DataConfig, FaultConfig, MetricsConfig,
                                       ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
-                                      TrainConfig)
+                                      ServeConfig, TrainConfig)
 
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 """Signals a run may treat as preemption."""
@@ -37,6 +37,7 @@ def field_problems(cfg: Config) -> list[str]:
         *_fault_problems(cfg.fault),
         *_metrics_problems(cfg.metrics),
         *_run_problems(cfg.run),
+        *_serve_problems(cfg.serve),
     ]
 
 
@@ -225,6 +226,36 @@ def _run_problems(r: RunConfig) -> list[str]:
         (0 <= r.threads_per_rank < 2 ** 31,  # torch.set_num_threads takes a C int
          f"run.threads_per_rank = {r.threads_per_rank} must be in [0, 2147483647]"),
     ]) + _node_problems(r)
+
+
+CACHE_SCHEMES = ("redis://", "rediss://", "unix://")
+"""How a Redis prediction cache's URL may begin (besides 'memory' and 'off')."""
+
+
+def _serve_problems(s: ServeConfig) -> list[str]:
+    """Ranges of the server's settings; whether the models exist is 'meshyard serve''s question."""
+    cache_ok = s.cache in ("memory", "off") or s.cache.startswith(CACHE_SCHEMES)
+    return _failed([
+        (bool(s.host.strip()), "serve.host is empty; give an address to bind, e.g. 127.0.0.1 (or 0.0.0.0 in a pod)"),
+        (0 <= s.port < 65536, f"serve.port = {s.port} is not a port number (0-65535; 0 takes a free one)"),
+        (s.max_batch_size >= 1, f"serve.max_batch_size = {s.max_batch_size} must be at least 1 (1 turns batching off)"),
+        (0 <= s.max_wait_ms <= 60_000, f"serve.max_wait_ms = {s.max_wait_ms} must be in [0, 60000] milliseconds"),
+        (s.max_queue >= 1, f"serve.max_queue = {s.max_queue} must be at least 1"),
+        (s.request_timeout_s > 0, f"serve.request_timeout_s = {s.request_timeout_s} must be positive"),
+        (s.max_new_tokens >= 1, f"serve.max_new_tokens = {s.max_new_tokens} must be at least 1"),
+        (s.max_body_bytes >= 1024, f"serve.max_body_bytes = {s.max_body_bytes} must be at least 1024 (a small "
+         "request's JSON)"),
+        (s.memory_budget_bytes >= 0,
+         f"serve.memory_budget_bytes = {s.memory_budget_bytes} must not be negative (0 means no limit)"),
+        (all(isinstance(n, str) and n.strip() for n in s.pinned),
+         f"serve.pinned = {s.pinned} must list served model names, e.g. [\"tiny\"]"),
+        (cache_ok, f"serve.cache = '{s.cache}' is not 'memory', 'off' or a Redis URL such as "
+         "redis://127.0.0.1:6379/0"),
+        (s.cache_entries >= 1, f"serve.cache_entries = {s.cache_entries} must be at least 1"),
+        (s.cache_ttl_s >= 0, f"serve.cache_ttl_s = {s.cache_ttl_s} must not be negative (0 keeps entries until "
+         "Redis evicts them)"),
+        (0 <= s.threads < 2 ** 31, f"serve.threads = {s.threads} must be in [0, 2147483647] (0: torch's default)"),
+    ])
 
 
 DEFAULT_RDZV_PORT = 29400

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex
+
 
 @dataclass(frozen=True)
 class GPTShape:
@@ -57,15 +59,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(shape.d_model, shape.d_model, bias=shape.bias)
         self.resid_dropout = nn.Dropout(shape.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: tuple[CacheStep, int] | None = None) -> torch.Tensor:
+        """Causal attention over ``x``; with ``cache`` = (step, layer index), over what the
+        cache's slots hold before ``x`` too (incremental decoding, see ``models.kv_cache``)."""
         batch, seq, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         # (B, T, C) -> (B, heads, T, head_dim); -1 keeps this valid when heads are split
         # across tensor-parallel ranks and each rank holds only some of them.
         q, k, v = (t.view(batch, seq, -1, x.shape[-1] // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if cache is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        else:
+            y = cache[0].attend(cache[1], q, k, v)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.proj(y))
 
@@ -92,13 +99,19 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(shape.d_model, bias=shape.bias)
         self.mlp = FeedForward(shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: tuple[CacheStep, int] | None = None) -> torch.Tensor:
+        # Without a cache the attention gets its one positional input, as tensor-parallel
+        # input hooks (PrepareModuleInput) expect.
+        attended = self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache=cache)
+        x = x + attended
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer returning next-token logits of shape (B, T, vocab)."""
+    """Decoder-only transformer returning next-token logits of shape (B, T, vocab).
+
+    Implements the KV-cache protocol of ``meshyard.models.kv_cache``: ``init_kv_cache`` and
+    ``forward(tokens, cache=..., slots=..., positions=...)`` for incremental decoding."""
 
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
@@ -127,7 +140,26 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def init_kv_cache(self, batch_slots: int, max_length: int | None = None, dtype: torch.dtype | None = None,
+                      device: torch.device | str | None = None) -> KVCache:
+        """An empty cache of ``batch_slots`` sequences of up to ``max_length`` tokens (default:
+        the context length), in the dtype and on the device of the weights unless given."""
+        max_length = self.shape.context_length if max_length is None else max_length
+        if max_length > self.shape.context_length:
+            raise ValueError(f"a KV cache of max_length={max_length} is longer than the model's context_length="
+                             f"{self.shape.context_length}: positions beyond it have no embedding; use at most "
+                             f"{self.shape.context_length}")
+        weight = self.tok_emb.weight
+        return KVCache(self.shape.n_layer, batch_slots, self.shape.n_head, max_length, self.shape.head_dim,
+                       dtype=dtype or weight.dtype, device=device or weight.device)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, slots: SlotIndex | None = None,
+                positions: SlotIndex | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) of ``tokens`` (B, T). Without ``cache``: the whole sequences from
+        position 0 (training). With it: the new tokens of each row, appended to its slot (or
+        written at ``positions``), attending to what the slot holds (see ``models.kv_cache``)."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache, slots, positions)
         seq = tokens.shape[1]
         if seq > self.shape.context_length:
             raise ValueError(f"sequence of {seq} tokens exceeds context_length={self.shape.context_length}")
@@ -135,4 +167,13 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, slots: SlotIndex | None,
+                        positions: SlotIndex | None) -> torch.Tensor:
+        """The forward of new tokens against a KV cache (one step of incremental decoding)."""
+        step = cache.begin(slots, positions, tokens.shape[1])
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(step.positions))
+        for index, block in enumerate(self.blocks):
+            x = block(x, (step, index))
         return self.lm_head(self.ln_f(x))

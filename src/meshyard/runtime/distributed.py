@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -124,9 +127,25 @@ def _job_store(env: ClusterEnvironment, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"meshyard/round{restart_round}/join{_JOINS}", store)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(settle_s: float = 0.5) -> None:
+    """Destroy every process group so that each is freed on this thread.
+
+    A comm hook's callbacks (PowerSGD's) hold their process group and run on the group's
+    gloo worker threads, which drop them a moment after the step's future completes. If that
+    drop frees the group, its destructor joins the very thread it runs on: std::terminate
+    ("Resource deadlock avoided") kills a process that trains twice. So the groups are held
+    here until, for at most ``settle_s``, only these references remain; the last release is
+    then this thread's."""
+    if not dist.is_initialized():
+        return
+    groups = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
+    dist.destroy_process_group()
+    gc.collect()  # DDP modules and hook states in reference cycles hold the groups too
+    deadline = time.monotonic() + settle_s
+    # References counted: the list, the loop variable and getrefcount's argument.
+    while any(sys.getrefcount(group) > 3 for group in groups) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    del groups
 
 
 def rank0_decides(decide: Callable[[], Any]) -> Any:

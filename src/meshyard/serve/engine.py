@@ -13,7 +13,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from meshyard.models.kv_cache import supports_kv_cache
 from meshyard.models.outputs import logits_of
+from meshyard.serve.decoding import generate_with_cache
 from meshyard.serve.sampling import generator_for, next_tokens
 from meshyard.serve.types import Sampling
 
@@ -87,6 +89,15 @@ def last_logits(forward: Forward, sequences: Sequence[Sequence[int]]) -> torch.T
     return rows.to(device="cpu", dtype=torch.float32)
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], vocab_size: int,
+                  context_length: int) -> None:
+    """Raise ValueError unless there is one ``Sampling`` per prompt and every prompt with its
+    new tokens fits (``check_sequences``)."""
+    if len(prompts) != len(sampling):
+        raise ValueError(f"{len(prompts)} prompts but {len(sampling)} Sampling values; give one per prompt")
+    check_sequences(prompts, vocab_size, context_length, [s.max_new_tokens for s in sampling])
+
+
 def generate_by_recomputing(forward: Forward, prompts: list[list[int]], sampling: list[Sampling],
                             context_length: int, vocab_size: int) -> list[list[int]]:
     """New tokens for each prompt, recomputing the whole padded batch at every step.
@@ -96,9 +107,7 @@ def generate_by_recomputing(forward: Forward, prompts: list[list[int]], sampling
     gets alone. Raises ValueError on ids outside the vocabulary or a prompt plus its new
     tokens longer than ``context_length``.
     """
-    if len(prompts) != len(sampling):
-        raise ValueError(f"{len(prompts)} prompts but {len(sampling)} Sampling values; give one per prompt")
-    check_sequences(prompts, vocab_size, context_length, [s.max_new_tokens for s in sampling])
+    check_prompts(prompts, sampling, vocab_size, context_length)
     generators = [generator_for(s) for s in sampling]
     sequences = [list(p) for p in prompts]
     new: list[list[int]] = [[] for _ in prompts]
@@ -151,7 +160,12 @@ class EagerEngine:
             return last_logits(self.forward, sequences)
 
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
-        """The new tokens of each prompt (see ``generate_by_recomputing``)."""
+        """The new tokens of each prompt: with a KV cache when the module has one (the same
+        tokens, each step's cost independent of the prefix), else by recomputing the prefix
+        (``generate_by_recomputing``)."""
+        if supports_kv_cache(self.module):
+            check_prompts(prompts, sampling, self.vocab_size, self.context_length)
+            return generate_with_cache(self.module, prompts, sampling, self.context_length)
         with torch.inference_mode():
             return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size)
 

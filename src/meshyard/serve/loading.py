@@ -83,7 +83,7 @@ def describe(path: str, name: str | None = None) -> ModelSource:
     return ModelSource(
         path=path, name=name or config.run.name, version=version_of(ref),
         vocab_size=_vocab_size(config, ref, path), context_length=config.model.context_length or config.data.seq_len,
-        tokenizer=tokenizer_for(config.data), estimated_bytes=_estimated_bytes(ref), config=config,
+        tokenizer=tokenizer_for(config.data), estimated_bytes=_estimated_bytes(ref, config.model.tie_embeddings), config=config,
         checkpoint=ref.location,
     )
 
@@ -169,10 +169,13 @@ def _model_tensors(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
             if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
 
 
-def _estimated_bytes(ref: CheckpointRef) -> int:
-    """Bytes of the model's tensors (tied ones twice), else of all the checkpoint's files."""
+def _estimated_bytes(ref: CheckpointRef, tied_embeddings: bool) -> int:
+    """Bytes of the model's tensors, else of all the checkpoint's files. The checkpoint holds a
+    tied output head under its own name too; it is counted once, as it is held once."""
     tensors = _model_tensors(ref)
     if tensors:
+        if tied_embeddings and "tok_emb.weight" in tensors:
+            tensors.pop("lm_head.weight", None)
         return sum(t.size.numel() * t.properties.dtype.itemsize for t in tensors.values())
     files: dict[str, Any] = ref.manifest.get("files", {})
     return sum(int(f.get("size", 0)) for f in files.values())

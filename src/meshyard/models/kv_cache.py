@@ -1,0 +1,168 @@
+"""A slot-based key/value cache for incremental decoding, and the protocol a model follows to use it.
+
+Generating a token with a causal transformer needs the keys and values of every earlier token
+in every layer. Recomputing them costs a forward over the whole prefix per new token; keeping
+them costs memory and turns each decoding step into a forward over one token per sequence.
+
+The cache is organised in **slots**, one per running sequence, so sequences of different
+lengths decode together and a sequence can leave while the others go on: a freed slot is taken
+by the next one (continuous batching). Each slot has its own length, and attention is masked
+beyond it.
+
+The protocol (what ``supports_kv_cache`` checks and ``meshyard.serve.decoding`` calls):
+
+``model.init_kv_cache(batch_slots, max_length, dtype=None, device=None) -> KVCache``
+    a cache with ``batch_slots`` slots of ``max_length`` positions (at most the model's context).
+``model(tokens, cache=cache, slots=slots, positions=positions)``
+    ``tokens`` [B, T] are new tokens only. Row b is written into slot ``slots[b]`` (default:
+    slot b) at positions ``positions[b] .. positions[b] + T - 1`` (default: the slot's length,
+    i.e. appended) and attends to everything the slot holds before it. Returns the logits of
+    the given tokens only, [B, T, vocab] (or an object with ``.logits``). A prefill is a call
+    with position 0; a decoding step is a call with T = 1.
+
+Inside the model: ``step = cache.begin(slots, positions, T)`` once per forward (it checks the
+request, updates the slots' lengths and builds the mask shared by all layers), the absolute
+token positions are ``step.positions`` (for position embeddings), and each attention layer ``i``
+calls ``step.attend(i, q, k, v)`` with its new queries, keys and values shaped
+(B, heads, T, head_dim): the cache stores k and v and returns the attention output.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SlotIndex = torch.Tensor | Sequence[int]
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """One forward's view of the cache: which slots, where the new tokens go, what they see."""
+
+    cache: KVCache
+    slots: torch.Tensor  # [B] slot of each row, on the cache's device
+    positions: torch.Tensor  # [B, T] absolute position of each new token, on the cache's device
+    span: int  # positions attended to: the longest of these slots after this step
+    mask: torch.Tensor | None  # [B, 1, T, span] True where attention is allowed; None: a fresh prefill
+    contiguous: slice | None  # the slots as a slice when they are consecutive (no gather needed)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store layer ``layer``'s new keys and values and return attention over the slot's contents.
+        q, k, v: (B, heads, T, head_dim) -> (B, heads, T, head_dim)."""
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        rows = self.slots[:, None].expand_as(self.positions)
+        # Advanced indices on dims 0 and 2 around a slice put (B, T) first: (B, T, heads, head_dim).
+        keys[rows, :, self.positions] = k.transpose(1, 2).to(keys.dtype)
+        values[rows, :, self.positions] = v.transpose(1, 2).to(values.dtype)
+        if self.mask is None:
+            # Every row starts at position 0 with the same length: plain causal attention over
+            # the new tokens, the same computation as the training forward.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.contiguous is not None:
+            past_k, past_v = keys[self.contiguous, :, : self.span], values[self.contiguous, :, : self.span]
+        else:
+            past_k, past_v = keys[self.slots, :, : self.span], values[self.slots, :, : self.span]
+        return F.scaled_dot_product_attention(q, past_k.to(q.dtype), past_v.to(q.dtype), attn_mask=self.mask)
+
+
+class KVCache:
+    """Keys and values of ``n_layer`` attention layers for ``batch_slots`` sequences of up to
+    ``max_length`` tokens, stored as (slots, heads, max_length, head_dim) per layer.
+
+    ``lengths[s]`` is how many positions slot ``s`` holds. ``allocate`` / ``release`` hand out
+    slots to a scheduler; a released slot's old contents are never read again, since a new
+    sequence writes positions from 0 and attends only up to its own position."""
+
+    def __init__(self, n_layer: int, batch_slots: int, n_head: int, max_length: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        if min(n_layer, batch_slots, n_head, max_length, head_dim) < 1:
+            raise ValueError(
+                f"a KV cache needs at least one layer, slot, head, position and head dimension; got "
+                f"n_layer={n_layer}, batch_slots={batch_slots}, n_head={n_head}, max_length={max_length}, "
+                f"head_dim={head_dim}: pass positive sizes")
+        shape = (batch_slots, n_head, max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.batch_slots = batch_slots
+        self.max_length = max_length
+        self.device = self.keys[0].device
+        # Lengths live on the CPU: the scheduler reads them every step without a device sync.
+        self.lengths = torch.zeros(batch_slots, dtype=torch.long)
+        self._free = list(range(batch_slots))
+
+    @property
+    def bytes(self) -> int:
+        """Memory held by the stored keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not held by a sequence."""
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """Take the lowest free slot (length 0) for a new sequence."""
+        if not self._free:
+            raise RuntimeError(f"all {self.batch_slots} slots of the KV cache are in use: release one "
+                               "(release(slot)) when its sequence finishes, or make a cache with more slots")
+        slot = min(self._free)
+        self._free.remove(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back; the next ``allocate`` may hand it to another sequence."""
+        if slot in self._free or not 0 <= slot < self.batch_slots:
+            raise ValueError(f"slot {slot} is not held (slots are 0..{self.batch_slots - 1}; free: "
+                             f"{sorted(self._free)}): release each allocated slot exactly once")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def begin(self, slots: SlotIndex | None, positions: SlotIndex | None, n_new: int) -> CacheStep:
+        """Prepare a forward of ``n_new`` tokens per row: row b goes to slot ``slots[b]`` at
+        ``positions[b]`` (default: appended at the slot's length). Updates the lengths."""
+        slot_ids = torch.as_tensor(range(self.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
+        starts = self.lengths[slot_ids] if positions is None else torch.as_tensor(positions, dtype=torch.long).cpu()
+        self._check(slot_ids, starts, n_new)
+        ends = starts + n_new
+        self.lengths[slot_ids] = ends
+        token_positions = (starts[:, None] + torch.arange(n_new)).to(self.device)
+        span = int(ends.max())
+        fresh = bool((starts == 0).all())
+        mask = None if fresh else (torch.arange(span, device=self.device) <= token_positions[:, :, None])[:, None]
+        first = int(slot_ids[0])
+        consecutive = bool((slot_ids == torch.arange(first, first + len(slot_ids))).all())
+        return CacheStep(self, slot_ids.to(self.device), token_positions, span, mask,
+                         slice(first, first + len(slot_ids)) if consecutive else None)
+
+    def _check(self, slots: torch.Tensor, starts: torch.Tensor, n_new: int) -> None:
+        """One clear error for a request the cache cannot hold."""
+        if slots.ndim != 1 or starts.shape != slots.shape or len(slots) == 0 or n_new < 1:
+            raise ValueError(f"a cached forward needs one slot and one start position per row and at least one "
+                             f"new token; got slots of shape {tuple(slots.shape)}, positions of shape "
+                             f"{tuple(starts.shape)} and {n_new} tokens per row")
+        if len(set(slots.tolist())) != len(slots) or int(slots.min()) < 0 or int(slots.max()) >= self.batch_slots:
+            raise ValueError(f"slots {slots.tolist()} must be distinct and in 0..{self.batch_slots - 1}")
+        if bool((starts > self.lengths[slots]).any()) or int(starts.min()) < 0:
+            raise ValueError(f"positions {starts.tolist()} skip past what slots {slots.tolist()} hold "
+                             f"({self.lengths[slots].tolist()} tokens): write from a slot's length or earlier")
+        if int(starts.max()) + n_new > self.max_length:
+            raise ValueError(f"{n_new} new tokens at positions {starts.tolist()} exceed the cache's max_length="
+                             f"{self.max_length}: make the cache longer (at most the model's context length)")
+
+
+def supports_kv_cache(module: nn.Module) -> bool:
+    """Whether ``module`` follows the cache protocol above: an ``init_kv_cache`` method and a
+    forward that takes ``cache``, ``slots`` and ``positions``."""
+    if not callable(getattr(module, "init_kv_cache", None)):
+        return False
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in parameters for name in ("cache", "slots", "positions"))

@@ -1,0 +1,366 @@
+"""The HTTP side of ``meshyard serve``: the ``Server`` that wires the parts, and its routes.
+
+A generate or logits request goes, in order: body read and checked
+(``meshyard.serve.requests``) -> version chosen (``Router``, or the ``X-Model-Version``
+header) -> prediction cache (deterministic requests only) -> the model, loaded on first use
+(``ModelCache``; held in use so it is never evicted while the request waits) -> the batcher
+of that model version and endpoint, which runs batches in the single inference thread ->
+the answer, stored in the prediction cache. Every failure becomes ``{"error": paragraph}``
+with its status; an unexpected one is a 500 whose traceback goes to the server's log, and
+the server goes on answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import torch
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshyard.config.sections import ServeConfig
+from meshyard.serve.engine import Engine
+from meshyard.serve.loading import ModelSource, load_engine
+from meshyard.serve.metrics import ServeMetrics
+from meshyard.serve.model_cache import ModelCache
+from meshyard.serve.prediction_cache import cache_key, open_cache
+from meshyard.serve.requests import parse_generate, parse_json, parse_logits, read_body
+from meshyard.serve.routing import VERSION_HEADER, Router
+from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ServeError
+
+log = logging.getLogger("meshyard.serve")
+
+GENERATE_EXAMPLE = '{"prompt": "Hello", "max_new_tokens": 16}'
+LOGITS_EXAMPLE = '{"sequences": [[72, 101, 108]], "top_k": 5}'
+CLIENT_CLOSED = 499
+"""Status the batchers give a request whose client went away (recorded, never read by anyone)."""
+LOWEST_LOGPROB = -1e30  # stands for -inf, which JSON cannot carry
+
+
+@dataclass
+class Lane:
+    """The batcher of one (name, version, endpoint), and the engine it is bound to (the
+    continuous batcher keeps per-model state; None for a batcher that takes any engine)."""
+
+    batcher: Any
+    engine: Engine | None
+
+
+class Server:
+    """The serving process's parts: routes, loaded models, batchers, prediction cache and
+    metrics, with the one inference thread every model runs in."""
+
+    def __init__(self, cfg: ServeConfig, router: Router,
+                 load: Callable[[ModelSource], Engine] | None = None) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.metrics = ServeMetrics()
+        # One thread: models run one batch at a time, and a batch uses every core itself.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="meshyard-inference")
+        self.models = ModelCache(load or (lambda source: load_engine(source, cfg.runtime)),
+                                 budget_bytes=cfg.memory_budget_bytes, pinned=set(cfg.pinned),
+                                 executor=self.executor, metrics=self.metrics)
+        self.cache = open_cache(cfg.cache, cfg.cache_entries, cfg.cache_ttl_s)
+        self.lanes: dict[tuple[str, str, str], Lane] = {}
+        self._closing: set[asyncio.Task] = set()
+        self.ready = not self.pinned_sources()
+        self.startup_problem = ""
+
+    def pinned_sources(self) -> list[ModelSource]:
+        """Every version of the pinned names."""
+        return [source for source, _ in self.router.listing() if source.name in self.cfg.pinned]
+
+    async def start(self) -> None:
+        """Loads the pinned models; the server is ready once they are."""
+        try:
+            await self.models.preload(self.pinned_sources())
+        except Exception as exc:  # reported by /readyz and the log; requests still try again
+            self.startup_problem = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            log.exception("loading the pinned models failed")
+            return
+        self.ready = True
+
+    async def close(self) -> None:
+        """Stops the batchers, closes the prediction cache and the inference thread."""
+        for lane in self.lanes.values():
+            await lane.batcher.close()
+        await self.cache.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def lane(self, source: ModelSource, endpoint: str, engine: Engine) -> Lane:
+        """The batcher of ``source``'s ``endpoint``, created on first use (and again for a
+        continuous batcher whose model was evicted and loaded anew, as it holds that engine)."""
+        key = (source.name, source.version, endpoint)
+        lane = self.lanes.get(key)
+        if lane is None or (lane.engine is not None and lane.engine is not engine):
+            if lane is not None:  # the model was evicted and loaded again: its old batcher is idle
+                closing = asyncio.get_running_loop().create_task(lane.batcher.close())
+                self._closing.add(closing)  # held until done, or the loop may drop the task
+                closing.add_done_callback(self._closing.discard)
+            lane = self.lanes[key] = self._new_lane(source, endpoint, engine)
+        return lane
+
+    def _new_lane(self, source: ModelSource, endpoint: str, engine: Engine) -> Lane:
+        cfg, name, version = self.cfg, source.name, source.version
+
+        def on_queue_wait(seconds: float) -> None:
+            self.metrics.observe_queue_wait(name, version, endpoint, seconds)
+
+        if endpoint == "generate" and cfg.scheduler == "continuous" and _has_kv_cache(engine):
+            from meshyard.serve.continuous import ContinuousBatcher
+
+            def on_step(size: int, seconds: float, new_tokens: int) -> None:
+                self.metrics.observe_batch(name, version, endpoint, size, seconds, new_tokens)
+
+            batcher = ContinuousBatcher(engine, max_batch_size=cfg.max_batch_size, max_queue=cfg.max_queue,
+                                        executor=self.executor, on_step=on_step, on_queue_wait=on_queue_wait)
+            return Lane(batcher, engine)
+        from meshyard.serve.batching import DynamicBatcher
+
+        def on_batch(items: list[Any], seconds: float) -> None:
+            new_tokens = sum(item[2].max_new_tokens for item in items) if endpoint == "generate" else 0
+            self.metrics.observe_batch(name, version, endpoint, len(items), seconds, new_tokens)
+
+        run = run_generate if endpoint == "generate" else run_logits
+        batcher = DynamicBatcher(run, max_batch_size=cfg.max_batch_size, max_wait_ms=cfg.max_wait_ms,
+                                 max_queue=cfg.max_queue, executor=self.executor, on_batch=on_batch,
+                                 on_queue_wait=on_queue_wait)
+        return Lane(batcher, None)
+
+
+def _has_kv_cache(engine: Engine) -> bool:
+    """Whether the continuous batcher can drive ``engine`` (a module with the KV-cache
+    protocol); other models fall back to the dynamic batcher."""
+    from meshyard.models.kv_cache import supports_kv_cache
+
+    module = getattr(engine, "module", None)
+    return module is not None and supports_kv_cache(module)
+
+
+def run_generate(items: list[tuple[Engine, list[int], Any]]) -> list[list[int]]:
+    """One generate batch (in the inference thread). All items of a lane share one engine:
+    each holds its model in use while it waits, so the model cannot be swapped meanwhile."""
+    engine = items[0][0]
+    return engine.generate([tokens for _, tokens, _ in items], [sampling for _, _, sampling in items])
+
+
+def run_logits(items: list[tuple[Engine, list[int], int]]) -> list[Any]:
+    """One logits batch (in the inference thread): per item, its log-probabilities as a list,
+    or its ``top_k`` best [id, log-probability] pairs."""
+    engine = items[0][0]
+    logprobs = torch.log_softmax(engine.next_token_logits([sequence for _, sequence, _ in items]), dim=-1)
+    logprobs = torch.nan_to_num(logprobs, neginf=LOWEST_LOGPROB)
+    answers: list[Any] = []
+    for row, (_, _, top_k) in zip(logprobs, items):
+        if top_k:
+            values, ids = torch.topk(row, top_k)
+            answers.append([[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())])
+        else:
+            answers.append(row.tolist())
+    return answers
+
+
+@dataclass
+class Exchange:
+    """One request on its way: the labels its metrics get once they are known (empty until
+    the router found the model, so that made-up names never become label values)."""
+
+    endpoint: str
+    model: str = ""
+    version: str = ""
+
+
+Work = Callable[[Server, Request, Exchange], Awaitable[dict[str, Any]]]
+
+
+async def answer(server: Server, request: Request, endpoint: str, work: Work) -> Response:
+    """Runs ``work`` for a model endpoint and turns its result or failure into a response,
+    recording the request's metrics; nothing raised here reaches uvicorn."""
+    started = time.monotonic()
+    exchange = Exchange(endpoint)
+    with server.metrics.in_flight():
+        try:
+            response: Response = JSONResponse(await work(server, request, exchange))
+        except ServeError as exc:
+            response = error_response(exc)
+            reason = rejection(exc)
+            if reason is not None:
+                server.metrics.rejected(exchange.model, exchange.version, reason)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            response = JSONResponse({"error": "the server failed to answer this request (an internal error, "
+                                     "logged with its traceback); try again, and report it if it persists"},
+                                    status_code=500)
+    if exchange.version:
+        response.headers[VERSION_HEADER] = exchange.version
+    server.metrics.observe_request(exchange.model, exchange.version, endpoint, response.status_code,
+                                   time.monotonic() - started)
+    return response
+
+
+def rejection(exc: ServeError) -> str | None:
+    """How the rejected_total metric names a refusal; None for those it does not count
+    (an unknown model, a model that cannot be loaded)."""
+    if isinstance(exc, QueueFull):
+        return "queue_full"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    if isinstance(exc, BadRequest):
+        return "bad_request"
+    return "disconnected" if exc.status == CLIENT_CLOSED else None
+
+
+def error_response(exc: ServeError) -> JSONResponse:
+    """``{"error": message}`` with the error's status (and Retry-After for a full queue)."""
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+
+
+async def _payload(server: Server, request: Request, example: str) -> dict[str, Any]:
+    body = await read_body(request.headers.get("content-length"), request.stream(), server.cfg.max_body_bytes)
+    return parse_json(body, example)
+
+
+def _choose(server: Server, request: Request, exchange: Exchange) -> ModelSource:
+    source = server.router.choose(request.path_params["name"], request.headers.get(VERSION_HEADER) or None)
+    exchange.model, exchange.version = source.name, source.version
+    return source
+
+
+async def _cached(server: Server, exchange: Exchange, key: str) -> dict[str, Any] | None:
+    found = await server.cache.get(key)
+    server.metrics.cache_lookup(exchange.model, exchange.version, exchange.endpoint, found is not None)
+    return None if found is None else {**found, "cached": True}
+
+
+async def generate(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
+    """``POST /v1/models/{name}/generate``."""
+    source = _choose(server, request, exchange)
+    payload = await _payload(server, request, GENERATE_EXAMPLE)
+    call = parse_generate(payload, source, server.cfg)
+    deadline = time.monotonic() + call.timeout_s
+    key = cache_key(source.name, source.version, "generate", call.cache_payload()) \
+        if call.sampling.deterministic else None
+    if key is not None and (found := await _cached(server, exchange, key)) is not None:
+        return found
+    async with server.models.use(source) as engine:
+        if not engine.supports_generate:
+            raise BadRequest(f"model '{source.name}' gives next-token distributions only and cannot generate; "
+                             f"ask POST /v1/models/{source.name}/logits instead")
+        lane = server.lane(source, "generate", engine)
+        item = (call.tokens, call.sampling) if lane.engine is not None else (engine, call.tokens, call.sampling)
+        tokens = await lane.batcher.submit(item, deadline, request.is_disconnected)
+    result: dict[str, Any] = {"model": source.name, "version": source.version, "tokens": tokens}
+    if source.tokenizer is not None:
+        result["text"] = source.tokenizer.decode(tokens)
+    if key is not None:
+        await server.cache.put(key, result)
+    return {**result, "cached": False}
+
+
+async def logits(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
+    """``POST /v1/models/{name}/logits``: each sequence waits in the batcher as one item."""
+    source = _choose(server, request, exchange)
+    payload = await _payload(server, request, LOGITS_EXAMPLE)
+    call = parse_logits(payload, source, server.cfg)
+    deadline = time.monotonic() + call.timeout_s
+    key = cache_key(source.name, source.version, "logits", call.cache_payload())
+    if (found := await _cached(server, exchange, key)) is not None:
+        return found
+    async with server.models.use(source) as engine:
+        batcher = server.lane(source, "logits", engine).batcher
+        rows = await all_or_none([batcher.submit((engine, sequence, call.top_k), deadline, request.is_disconnected)
+                                  for sequence in call.sequences])
+    result = {"model": source.name, "version": source.version, ("top" if call.top_k else "logprobs"): rows}
+    await server.cache.put(key, result)
+    return {**result, "cached": False}
+
+
+async def all_or_none(waits: list[Awaitable[Any]]) -> list[Any]:
+    """The results of ``waits``, run together; the first failure cancels the others (their
+    items leave the queue) and is raised."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def models(server: Server, request: Request) -> Response:
+    """``GET /v1/models``: every served version, whether it is loaded, its bytes and share."""
+    listed = [{"name": source.name, "version": source.version, "loaded": server.models.loaded(source),
+               "bytes": server.models.bytes_of(source), "pinned": source.name in server.cfg.pinned,
+               "weight": weight} for source, weight in server.router.listing()]
+    return JSONResponse({"models": listed})
+
+
+async def readyz(server: Server, request: Request) -> Response:
+    """200 once the pinned models are loaded, else 503 saying what it waits for."""
+    if server.ready:
+        return JSONResponse({"ready": True})
+    waiting = ", ".join(sorted(server.cfg.pinned))
+    problem = server.startup_problem or f"the pinned models ({waiting}) are still loading"
+    return JSONResponse({"error": f"not ready: {problem}"}, status_code=503)
+
+
+async def metrics(server: Server, request: Request) -> Response:
+    """The Prometheus text of every metric."""
+    body, content_type = server.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) as JSON errors."""
+    status = getattr(exc, "status_code", 500)
+    text = {404: f"there is no route {request.url.path}; the server answers POST /v1/models/NAME/generate, "
+            "POST /v1/models/NAME/logits, GET /v1/models, /healthz, /readyz and /metrics",
+            405: f"{request.method} is not accepted on {request.url.path}; see GET /v1/models for the models "
+            "and POST /v1/models/NAME/generate or /logits to ask one"}.get(status, str(getattr(exc, "detail", exc)))
+    return JSONResponse({"error": text}, status_code=status)
+
+
+def build_app(server: Server) -> Starlette:
+    """The ASGI application of ``server``; its lifespan loads the pinned models in the
+    background (``/readyz`` answers 503 until they are in) and closes the server's parts."""
+
+    def model_route(endpoint: str, work: Work) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await answer(server, request, endpoint, work)
+        return route
+
+    def plain(handler: Callable[[Server, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await handler(server, request)
+        return route
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loading = asyncio.create_task(server.start())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await server.close()
+
+    routes = [Route("/v1/models/{name}/generate", model_route("generate", generate), methods=["POST"]),
+              Route("/v1/models/{name}/logits", model_route("logits", logits), methods=["POST"]),
+              Route("/v1/models", plain(models), methods=["GET"]),
+              Route("/healthz", healthz, methods=["GET"]),
+              Route("/readyz", plain(readyz), methods=["GET"]),
+              Route("/metrics", plain(metrics), methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -1,0 +1,234 @@
+"""``meshyard serve``: parse the command line, describe the models, run the HTTP server.
+
+The flags are shorthands for ``--serve.*`` settings (``meshyard.config.sections.ServeConfig``);
+the models' own settings come from their run directories. Every model is described (config
+and version, no weights) before the server starts, so a wrong path or canary is refused
+at once, in one paragraph, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshyard.config.checks import field_problems
+from meshyard.config.load import ConfigError, load_config
+from meshyard.config.sections import ServeConfig
+
+EXIT_BAD_INPUT = 2
+
+DESCRIPTION = """\
+Serve trained models over HTTP with dynamic batching. Each PATH is a run directory (its
+newest valid checkpoint), one checkpoint (.../checkpoints/step-N) or a file written by
+'meshyard export'; a bare PATH is served under its run's name (run.name), NAME=PATH under
+NAME. Models load on their first request (--pin loads them at start-up) and are evicted
+by --serve.memory_budget_bytes.
+
+API: POST /v1/models/NAME/generate {"prompt": "text"} or {"tokens": [ids]} (max_new_tokens,
+temperature, top_k, seed, timeout_ms); POST /v1/models/NAME/logits {"sequences": [[ids]]}
+or {"prompts": ["text"]} (top_k); GET /v1/models, /healthz, /readyz, /metrics. The header
+X-Model-Version pins a version."""
+
+EPILOG = """\
+examples:
+  meshyard serve runs/tiny
+  meshyard serve chat=runs/tiny code=runs/coder/checkpoints/step-00000400 --pin chat
+  meshyard serve runs/tiny --canary tiny=runs/tiny-v2:0.1 --cache redis://127.0.0.1:6379/0
+  meshyard serve model.onnx --runtime onnxruntime --host 0.0.0.0 --port 8080
+
+Every setting of the [serve] section can be given as --serve.FIELD=VALUE, e.g.
+--serve.max_batch_size=32 --serve.max_wait_ms=2 --serve.memory_budget_bytes=4000000000;
+'meshyard config show' documents them."""
+
+
+class ServeArgumentError(ValueError):
+    """A command line that cannot be served; the message says what to give instead."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard serve``."""
+    p = subparsers.add_parser("serve", help="serve trained models over HTTP (dynamic batching, canaries, caching)",
+                              description=DESCRIPTION, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("models", nargs="+", metavar="PATH|NAME=PATH",
+                   help="run directory, checkpoint or export to serve; NAME=PATH serves it under NAME")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1, loopback; 0.0.0.0 opens it)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000; 0: any free port)")
+    p.add_argument("--canary", action="append", default=[], metavar="NAME=PATH:WEIGHT",
+                   help="serve PATH as a new version of NAME taking WEIGHT (0-1) of its traffic; repeatable")
+    p.add_argument("--cache", metavar="memory|off|redis://HOST:PORT/DB",
+                   help="prediction cache for deterministic requests (default memory)")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME",
+                   help="load NAME at start-up and never evict it (/readyz waits for it); repeatable")
+    p.add_argument("--runtime", metavar="eager|torchscript|onnxruntime", help="what runs the models (default eager)")
+    p.add_argument("--scheduler", metavar="dynamic|continuous",
+                   help="how generate requests are batched (default dynamic)")
+    p.add_argument("--ready-file", metavar="FILE",
+                   help='write {"url", "pid"} as JSON to FILE once the server listens')
+
+
+def settings(args: argparse.Namespace, overrides: list[str]) -> ServeConfig:
+    """The [serve] settings: ``--serve.*`` overrides, then the flags (which win)."""
+    foreign = [o for o in overrides if not o.lstrip("-").startswith("serve.")]
+    if foreign:
+        raise ServeArgumentError(
+            f"'meshyard serve' takes only --serve.FIELD overrides, not {' '.join(foreign)}: a served model's "
+            "own settings come from its run directory; 'meshyard config show' lists the [serve] fields")
+    flags: dict[str, Any] = {"host": args.host, "port": args.port, "cache": args.cache, "runtime": args.runtime,
+                             "scheduler": args.scheduler, "pinned": args.pin or None}
+    # JSON strings and arrays are TOML values too, so every flag keeps its type and text.
+    given = [f"--serve.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    cfg = load_config(None, [*overrides, *given])
+    problems = field_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg.serve
+
+
+def split_model(text: str) -> tuple[str | None, str]:
+    """``NAME=PATH`` -> (NAME, PATH); a bare PATH (even one holding '=') -> (None, PATH)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or "/" in name or os.sep in name or Path(text).exists():
+        return None, text
+    if not path:
+        raise ServeArgumentError(f"'{text}' names the model '{name}' but no path; give NAME=PATH, e.g. "
+                                 f"{name}=runs/{name}")
+    return name, path
+
+
+def split_canary(text: str) -> tuple[str, str, float]:
+    """``NAME=PATH:WEIGHT`` -> (NAME, PATH, WEIGHT)."""
+    name, _, rest = text.partition("=")
+    path, _, weight = rest.rpartition(":")
+    try:
+        share = float(weight)
+    except ValueError:
+        share = float("nan")
+    if not name or not path or not 0.0 < share < 1.0:
+        raise ServeArgumentError(f"--canary {text} is not NAME=PATH:WEIGHT with WEIGHT between 0 and 1 exclusive; "
+                                 "e.g. --canary tiny=runs/tiny-v2:0.1 sends a tenth of tiny's traffic to runs/tiny-v2")
+    return name, path, share
+
+
+def routes(args: argparse.Namespace, cfg: ServeConfig) -> Any:
+    """The ``Router`` of the models and canaries on the command line (each described, no
+    weights loaded); raises ``ServeArgumentError`` naming a wrong path, canary or pin."""
+    from meshyard.serve.loading import ModelSourceError, describe
+    from meshyard.serve.routing import RouteError, Router
+
+    try:
+        main = [describe(path, name) for name, path in map(split_model, args.models)]
+        canaries = [(describe(path, name), weight) for name, path, weight in map(split_canary, args.canary)]
+        router = Router.from_specs(main, canaries)
+    except (ModelSourceError, RouteError) as exc:
+        raise ServeArgumentError(str(exc)) from None
+    unknown = [name for name in cfg.pinned if name not in router.names()]
+    if unknown:
+        raise ServeArgumentError(f"--pin {', '.join(unknown)}: no model is served under that name (served: "
+                                 f"{', '.join(router.names())}); pin one of the served names")
+    return router
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), for uvicorn to listen on; port 0 takes a free one."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ServeArgumentError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another "
+                                 "--port (0 takes any free one) or --host") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def write_ready_file(path: str, url: str) -> None:
+    """``{"url", "pid"}`` written whole (renamed into place), so a reader never sees half of it."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    partial.replace(target)
+
+
+class StopRequest:
+    """The signal handler outside uvicorn's own: it notes a SIGTERM or SIGINT that arrives
+    before uvicorn listens for them (the server then stops as soon as it has started), and
+    takes the one uvicorn raises again after its shutdown, so a stopped server exits 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+async def serve_until_stopped(app: Any, sock: socket.socket, ready_file: str | None, stop: StopRequest) -> None:
+    """Runs uvicorn on ``sock`` until SIGTERM or SIGINT; says where it listens once it does."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    running = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not running.done():
+        server.should_exit = server.should_exit or stop.requested
+        await asyncio.sleep(0.02)
+    server.should_exit = server.should_exit or stop.requested
+    if server.started and not server.should_exit:
+        url = url_of(sock)
+        print(f"listening on {url}", flush=True)
+        if ready_file:
+            write_ready_file(ready_file, url)
+    await running
+
+
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``meshyard serve``: 0 after SIGTERM or SIGINT, 2 for a command line that cannot be served."""
+    try:
+        cfg = settings(args, overrides)
+        router = routes(args, cfg)
+        sock = listen(cfg.host, cfg.port)
+    except (ServeArgumentError, ConfigError) as exc:
+        print(f"meshyard serve: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    import torch
+
+    from meshyard.serve.app import Server, build_app
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for source, weight in router.listing():
+        share = "" if weight == 1.0 else f" ({weight:.0%} of '{source.name}' traffic)"
+        print(f"serving {source.name} version {source.version} from {source.path}{share}", flush=True)
+    stop = StopRequest()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, stop)
+    asyncio.run(serve_until_stopped(build_app(Server(cfg, router)), sock, args.ready_file, stop))
+    return 0
+
+
+def _standalone(argv: list[str]) -> int:
+    """``python -m meshyard.serve.cli ...``: the same command outside the ``meshyard`` entry point."""
+    from meshyard.config.load import group_override_tokens
+
+    parser = argparse.ArgumentParser(prog="meshyard")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    overrides, rest = group_override_tokens(argv)
+    return main(parser.parse_args(["serve", *rest]), overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone(sys.argv[1:]))

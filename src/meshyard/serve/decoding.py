@@ -1,0 +1,96 @@
+"""Generation with a KV cache: each prompt is prefilled once, then every step decodes one token
+per unfinished row against the cache instead of recomputing the whole prefix.
+
+Works with any module that follows the protocol of ``meshyard.models.kv_cache`` (meshyard's
+GPT does). ``prefill`` and ``decode_step`` are the two forwards the continuous batcher
+(``serve.continuous``) interleaves between requests; ``generate_with_cache`` is the plain
+batched loop over them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from meshyard.models.kv_cache import KVCache, supports_kv_cache
+from meshyard.models.outputs import logits_of
+from meshyard.serve.sampling import generator_for, next_tokens
+from meshyard.serve.types import Sampling
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where ``module``'s weights are (the CPU for a module without any)."""
+    tensor = next(module.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def require_kv_cache(module: nn.Module) -> None:
+    """A clear error for a model without the cache protocol."""
+    if not supports_kv_cache(module):
+        raise TypeError(
+            f"{type(module).__name__} does not implement the KV-cache protocol (an init_kv_cache method and a "
+            "forward taking cache=, slots= and positions=, see meshyard.models.kv_cache): generate without a "
+            "cache (serve.scheduler = 'dynamic') or add the protocol to the model")
+
+
+def check_request(prompt: Sequence[int], sampling: Sampling, context_length: int) -> None:
+    """ValueError for a prompt the cache cannot hold: empty, or longer than the context with
+    its new tokens (the same rules as recomputing generation)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: send at least one token to continue from")
+    if sampling.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={sampling.max_new_tokens} is negative: ask for 0 or more new tokens")
+    if len(prompt) + sampling.max_new_tokens > context_length:
+        raise ValueError(
+            f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds the model's "
+            f"context of {context_length} tokens: shorten the prompt or ask for at most "
+            f"{max(context_length - len(prompt), 0)} new tokens")
+
+
+def prefill(module: nn.Module, cache: KVCache, slot: int, prompt: Sequence[int]) -> torch.Tensor:
+    """Write ``prompt`` into ``slot`` from position 0; the logits after its last token, [V] float32."""
+    tokens = torch.tensor([list(prompt)], dtype=torch.long, device=cache.device)
+    logits = logits_of(module(tokens, cache=cache, slots=[slot], positions=[0]))
+    return logits[0, -1].float()
+
+
+def decode_step(module: nn.Module, cache: KVCache, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """Append one token per slot (``tokens[b]`` to ``slots[b]``) in one forward; the logits
+    after each, [B, V] float32."""
+    batch = torch.tensor(list(tokens), dtype=torch.long, device=cache.device)[:, None]
+    logits = logits_of(module(batch, cache=cache, slots=list(slots)))
+    return logits[:, -1].float()
+
+
+def generate_with_cache(module: nn.Module, prompts: list[list[int]], sampling: list[Sampling],
+                        context_length: int) -> list[list[int]]:
+    """The new tokens of each prompt (exactly ``sampling[i].max_new_tokens`` for row i, no stop
+    token), decoded with a KV cache: one prefill forward per prompt, then one batched forward
+    per step over all unfinished rows. Row i's tokens equal what it gives alone (each row draws
+    from its own generator)."""
+    require_kv_cache(module)
+    if len(prompts) != len(sampling):
+        raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling settings: pass one per prompt")
+    for prompt, settings in zip(prompts, sampling):
+        check_request(prompt, settings, context_length)
+    rows = [i for i, settings in enumerate(sampling) if settings.max_new_tokens > 0]
+    out: list[list[int]] = [[] for _ in prompts]
+    if not rows:
+        return out
+    longest = max(len(prompts[i]) + sampling[i].max_new_tokens for i in rows)
+    generators = [generator_for(settings) for settings in sampling]
+    with torch.inference_mode():
+        cache = module.init_kv_cache(len(rows), longest, device=device_of(module))
+        slot_of = {row: slot for slot, row in enumerate(rows)}
+        logits = torch.stack([prefill(module, cache, slot_of[i], prompts[i]) for i in rows])
+        while True:
+            chosen = next_tokens(logits, [sampling[i] for i in rows], [generators[i] for i in rows]).tolist()
+            for row, token in zip(rows, chosen):
+                out[row].append(token)
+            going = [(row, token) for row, token in zip(rows, chosen) if len(out[row]) < sampling[row].max_new_tokens]
+            if not going:
+                return out
+            rows = [row for row, _ in going]
+            logits = decode_step(module, cache, [slot_of[row] for row in rows], [token for _, token in going])

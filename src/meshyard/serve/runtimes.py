@@ -1,0 +1,176 @@
+"""Serving a file written by ``meshyard export``: its description and its engine.
+
+Each export format runs in one runtime (``formats.RUNTIME_OF``): a safetensors export in
+eager PyTorch (the model built from the config in its sidecar, its weights put in), a
+TorchScript export in ``torch.jit`` and an ONNX export in ONNX Runtime on the CPU. Asking
+for another runtime is an error that names the right one.
+
+The TorchScript and ONNX engines answer the ``Engine`` protocol through a forward
+function, so batching, padding and generation are those of the eager engine
+(``meshyard.serve.engine``); they have no KV cache, so generation recomputes the sequence
+at each step and the continuous scheduler falls back to dynamic batching for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshyard.config.load import ConfigError, config_from_dict
+from meshyard.config.sections import Config
+from meshyard.export import formats
+from meshyard.export.quantize import int8_entries, quantized_linears
+from meshyard.models.registry import build_model
+from meshyard.plugins import PluginError
+from meshyard.serve.engine import EagerEngine, Engine, Forward, check_sequences, generate_by_recomputing, \
+    last_logits, module_bytes
+from meshyard.serve.loading import ModelSource, ModelSourceError
+from meshyard.serve.tokenizer import ByteTokenizer
+from meshyard.serve.types import Sampling
+
+RUNTIMES = ("eager", "torchscript", "onnxruntime")
+
+
+def describe_export(path: str, name: str | None = None) -> ModelSource:
+    """The export at ``path`` as its sidecar describes it, served under ``name`` or the
+    name it was exported with; its version is the export's own (checkpoint version plus
+    format, and '.int8' for an INT8 export)."""
+    facts = _sidecar(path)
+    return ModelSource(
+        path=path, name=name or facts["name"], version=facts["version"], vocab_size=int(facts["vocab_size"]),
+        context_length=int(facts["context_length"]),
+        tokenizer=ByteTokenizer() if facts.get("tokenizer") == "bytes" else None,
+        estimated_bytes=Path(path).expanduser().stat().st_size, config=_config(facts, path), checkpoint="",
+    )
+
+
+def load_export_engine(source: ModelSource, runtime: str = "eager", threads: int | None = None) -> Engine:
+    """The engine of an export in ``runtime``, which must be the one its format runs in.
+    ONNX Runtime uses ``threads`` intra-op threads (default: torch's thread count, which
+    the server sets from ``serve.threads``)."""
+    facts = _sidecar(source.path)
+    fmt = facts["format"]
+    if runtime not in RUNTIMES:
+        raise ModelSourceError(f"unknown runtime '{runtime}'; choose one of {', '.join(RUNTIMES)}")
+    if formats.RUNTIME_OF[fmt] != runtime:
+        raise ModelSourceError(
+            f"{source.path} is a {fmt} export, which runs in the '{formats.RUNTIME_OF[fmt]}' runtime, not "
+            f"'{runtime}'; serve it with --runtime {formats.RUNTIME_OF[fmt]}, or export the run again with "
+            f"--format {_format_for(runtime)} for the '{runtime}' runtime")
+    path = Path(source.path).expanduser()
+    threads = torch.get_num_threads() if threads is None else threads
+    try:
+        return open_export(path, fmt, source.config, source.vocab_size, source.context_length, threads)
+    except ModelSourceError:
+        raise
+    except (OSError, RuntimeError, ValueError) as exc:  # a damaged file, or one of another model
+        raise ModelSourceError(f"{source.path} cannot be loaded as a {fmt} export ({str(exc).splitlines()[0]}); "
+                               "export the model again with meshyard export") from None
+
+
+def open_export(path: Path, fmt: str, config: Config | None, vocab_size: int, context_length: int,
+                threads: int = 0) -> Engine:
+    """The engine of the export file ``path`` of format ``fmt`` (no sidecar needed: the
+    export command checks a file through this before it writes the sidecar). A
+    safetensors export needs the run's ``config`` to build its model."""
+    if fmt == "safetensors":
+        module = formats.read_safetensors(path, _build(config, vocab_size, path))
+        engine = EagerEngine(module, vocab_size, context_length)
+        engine.bytes = module_bytes(module) + _int8_bytes(module)  # packed int8 weights are no parameters
+        return engine
+    if fmt == "torchscript":
+        scripted = formats.read_torchscript(path)
+        return TorchScriptEngine(scripted, vocab_size, context_length, bytes_=path.stat().st_size)
+    if fmt == "onnx":
+        session = formats.onnx_session(path, threads)
+        return OnnxEngine(session, vocab_size, context_length, bytes_=path.stat().st_size)
+    raise ModelSourceError(f"{path}: unknown export format '{fmt}'; expected one of {', '.join(formats.FORMATS)}")
+
+
+class ForwardEngine:
+    """An engine over a forward function ([B, T] ids to [B, T, V] logits) of a runtime
+    other than eager PyTorch. ``bytes`` is the export file's size (what the runtime holds)."""
+
+    supports_generate = True
+
+    def __init__(self, forward: Forward, vocab_size: int, context_length: int, bytes_: int) -> None:
+        self.forward = forward
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.bytes = bytes_
+
+    def next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """[B, V] float32: the logits after each sequence's last token, from one forward."""
+        check_sequences(sequences, self.vocab_size, self.context_length)
+        with torch.inference_mode():
+            return last_logits(self.forward, sequences)
+
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
+        """The new tokens of each prompt, recomputing the padded batch at every step."""
+        with torch.inference_mode():
+            return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size)
+
+    def warm_up(self) -> None:
+        """One forward of a single token (a runtime's first call plans its kernels)."""
+        self.next_token_logits([[0]])
+
+
+class TorchScriptEngine(ForwardEngine):
+    """A TorchScript export (``torch.jit.load``) on the CPU."""
+
+    def __init__(self, module: torch.jit.ScriptModule, vocab_size: int, context_length: int, bytes_: int) -> None:
+        super().__init__(module, vocab_size, context_length, bytes_)
+        self.scripted = module
+
+
+class OnnxEngine(ForwardEngine):
+    """An ONNX export in an ONNX Runtime session on the CPU."""
+
+    def __init__(self, session: Any, vocab_size: int, context_length: int, bytes_: int) -> None:
+        super().__init__(formats.onnx_forward(session), vocab_size, context_length, bytes_)
+        self.session = session
+
+
+def _sidecar(path: str) -> dict[str, Any]:
+    try:
+        return formats.read_sidecar(Path(path).expanduser())
+    except formats.ExportFormatError as exc:
+        raise ModelSourceError(str(exc)) from None
+
+
+def _config(facts: dict[str, Any], path: str) -> Config | None:
+    """The run config recorded in the sidecar (its model and data sections), if any."""
+    recorded = facts.get("config")
+    if not recorded:
+        return None
+    try:
+        return config_from_dict(recorded)
+    except ConfigError as exc:
+        raise ModelSourceError(f"the sidecar of {path} records a config this meshyard cannot read "
+                               f"({'; '.join(exc.problems)}); export the model again") from None
+
+
+def _build(config: Config | None, vocab_size: int, path: Path) -> nn.Module:
+    """A fresh float32 model of the exported run, to put a safetensors export's weights in."""
+    if config is None:
+        raise ModelSourceError(f"the sidecar of {path} records no config to build the model from; export the "
+                               "model again with meshyard export")
+    try:
+        return build_model(config.model, vocab_size, config.data.seq_len)
+    except (PluginError, TypeError) as exc:
+        raise ModelSourceError(f"{path}: the exported model '{config.model.name}' cannot be built here ({exc}); "
+                               "serve it where its model file can be found, or export it to torchscript or "
+                               "onnx, which carry the model's code") from None
+
+
+def _int8_bytes(module: nn.Module) -> int:
+    """Bytes of the int8 layers' weights, scales, zero points and biases."""
+    return sum(t.numel() * t.element_size() for layer in quantized_linears(module).values()
+               for t in int8_entries(layer).values())
+
+
+def _format_for(runtime: str) -> str:
+    return next(fmt for fmt, rt in formats.RUNTIME_OF.items() if rt == runtime)

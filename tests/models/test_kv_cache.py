@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshyard.models.gpt import GPT, GPTShape
+from meshyard.models.kv_cache import KVCache, supports_kv_cache
+from meshyard.models.mlp import MLP
+
+VOCAB, CONTEXT = 48, 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: tiny forwards on a busy 2-core machine otherwise wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTShape(vocab_size=VOCAB, context_length=CONTEXT, n_layer=2, n_head=4, d_model=32)).eval()
+
+
+def recomputed(model: GPT, sequence: list[int]) -> torch.Tensor:
+    """Logits after the last token of ``sequence``, from the training forward over all of it."""
+    return model(torch.tensor([sequence]))[0, -1]
+
+
+def assert_close(cached: torch.Tensor, reference: torch.Tensor) -> None:
+    error = (cached - reference).abs().max() / reference.abs().max()
+    assert error < 1e-5, f"cached logits differ from recomputed ones by {error:.2e} (relative)"
+
+
+@torch.inference_mode()
+def test_cached_decoding_matches_recomputation_for_rows_of_different_lengths(model):
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (7, 2, 12)]
+    cache = model.init_kv_cache(5, CONTEXT)
+    slots = [3, 0, 4]  # not consecutive: the gather path
+    for slot, sequence in zip(slots, sequences):
+        prefill = model(torch.tensor([sequence]), cache=cache, slots=[slot], positions=[0])
+        assert torch.equal(prefill[0], model(torch.tensor([sequence]))[0])  # same computation as training
+    assert cache.lengths[slots].tolist() == [7, 2, 12]
+    for _ in range(6):
+        new = torch.randint(0, VOCAB, (3, 1), generator=generator)
+        logits = model(new, cache=cache, slots=slots)
+        assert logits.shape == (3, 1, VOCAB)
+        for row, sequence in enumerate(sequences):
+            sequence.append(int(new[row, 0]))
+            assert_close(logits[row, 0], recomputed(model, sequence))
+    assert cache.lengths[slots].tolist() == [13, 8, 18]
+
+
+@torch.inference_mode()
+def test_a_batched_prefill_and_a_chunk_at_an_offset(model):
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
+    cache = model.init_kv_cache(2)
+    assert cache.max_length == CONTEXT
+    first = model(tokens[:, :6], cache=cache)  # every slot from position 0: the causal path
+    rest = model(tokens[:, 6:], cache=cache, slots=[0, 1], positions=[6, 6])  # four tokens at once
+    full = model(tokens)
+    assert torch.equal(first, full[:, :6])
+    assert_close(rest, full[:, 6:])
+
+
+@torch.inference_mode()
+def test_a_released_slot_serves_a_new_sequence_without_the_old_ones_keys(model):
+    cache = model.init_kv_cache(2, 16)
+    long, short = list(range(1, 15)), [5, 9, 2]
+    slot = cache.allocate()
+    other = cache.allocate()
+    assert (slot, other, cache.free_slots) == (0, 1, 0)
+    with pytest.raises(RuntimeError, match="all 2 slots"):
+        cache.allocate()
+    model(torch.tensor([long]), cache=cache, slots=[slot], positions=[0])
+    cache.release(slot)
+    assert cache.allocate() == slot and int(cache.lengths[slot]) == 0
+    model(torch.tensor([short[:2]]), cache=cache, slots=[slot], positions=[0])
+    logits = model(torch.tensor([[short[2]]]), cache=cache, slots=[slot])
+    assert_close(logits[0, -1], recomputed(model, short))  # the 14 stale positions are masked out
+    cache.release(slot)
+    with pytest.raises(ValueError, match="release each allocated slot exactly once"):
+        cache.release(slot)
+
+
+def test_bad_requests_are_refused_with_the_fix(model):
+    cache = model.init_kv_cache(2, 8)
+    token = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="skip past what slots"):
+        model(token, cache=cache, slots=[0], positions=[3])
+    with pytest.raises(ValueError, match="exceed the cache's max_length=8"):
+        model(torch.zeros(1, 9, dtype=torch.long), cache=cache, slots=[1], positions=[0])
+    with pytest.raises(ValueError, match="must be distinct"):
+        model(torch.zeros(2, 1, dtype=torch.long), cache=cache, slots=[0, 0])
+    with pytest.raises(ValueError, match="longer than the model's context_length"):
+        model.init_kv_cache(1, CONTEXT + 1)
+    with pytest.raises(ValueError, match="positive sizes"):
+        KVCache(1, 0, 1, 4, 4)
+
+
+def test_cache_layout_and_protocol_detection(model):
+    cache = model.init_kv_cache(3, 16, dtype=torch.float64)
+    assert len(cache.keys) == len(cache.values) == 2
+    assert cache.keys[0].shape == (3, 4, 16, 8) and cache.keys[0].dtype == torch.float64
+    assert cache.bytes == 2 * 2 * 3 * 4 * 16 * 8 * 8
+    assert supports_kv_cache(model)
+    assert not supports_kv_cache(MLP(vocab_size=8, d_model=4))

@@ -1,0 +1,223 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable
+
+import pytest
+import torch
+
+from meshyard.models.gpt import GPT, GPTShape
+from meshyard.models.mlp import MLP
+from meshyard.serve.batching import ClientDisconnected
+from meshyard.serve.continuous import ContinuousBatcher
+from meshyard.serve.engine import EagerEngine
+from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, Sampling, Unavailable
+
+VOCAB, CONTEXT = 64, 64
+POISON = VOCAB - 1  # a prompt holding it makes FragileGPT's prefill fail
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: tiny forwards on a busy 2-core machine otherwise wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class FragileGPT(GPT):
+    """meshyard's GPT, except that a prefill of a prompt holding POISON fails (a model error)."""
+
+    def forward(self, tokens, cache=None, slots=None, positions=None):
+        if cache is not None and tokens.shape[1] > 1 and bool((tokens == POISON).any()):
+            raise RuntimeError("the model cannot take this token")
+        return super().forward(tokens, cache=cache, slots=slots, positions=positions)
+
+
+@pytest.fixture(scope="module")
+def engine() -> EagerEngine:
+    torch.manual_seed(0)
+    module = FragileGPT(GPTShape(vocab_size=VOCAB, context_length=CONTEXT, n_layer=2, n_head=2, d_model=32))
+    return EagerEngine(module, VOCAB, CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def executor():
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, POISON, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(engine: EagerEngine, tokens: list[int], sampling: Sampling) -> list[int]:
+    """Unbatched generation by recomputing the prefix (the reference)."""
+    return engine.generate([tokens], [sampling])[0]
+
+
+class Steps:
+    """Records on_step calls and runs actions registered for a given step number."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.new_tokens: list[int] = []
+        self.actions: dict[int, Callable[[], None]] = {}
+
+    def __call__(self, batch_size: int, seconds: float, new_tokens: int) -> None:
+        self.sizes.append(batch_size)
+        self.new_tokens.append(new_tokens)
+        if (action := self.actions.pop(len(self.sizes), None)) is not None:
+            action()
+
+
+def later(seconds: float = 60.0) -> float:
+    return time.monotonic() + seconds
+
+
+def finish_order(batcher: ContinuousBatcher, named: dict[str, tuple[list[int], Sampling]],
+                 order: list[str]) -> dict[str, asyncio.Future]:
+    """Submit each item as a task (on the running loop) that notes its name in ``order`` when
+    its tokens arrive."""
+    async def one(name: str, item: tuple[list[int], Sampling]) -> list[int]:
+        tokens = await batcher.submit(item, later())
+        order.append(name)
+        return tokens
+    return {name: asyncio.ensure_future(one(name, item)) for name, item in named.items()}
+
+
+def test_tokens_equal_unbatched_greedy_for_requests_joining_at_different_steps(engine, executor):
+    items = [(prompt(n, seed), Sampling(max_new_tokens=m)) for seed, (n, m) in
+             enumerate([(5, 30), (17, 4), (1, 12), (30, 9), (8, 1), (2, 25), (12, 16)])]
+
+    async def scenario() -> list[list[int]]:
+        steps, waits = Steps(), []
+        batcher = ContinuousBatcher(engine, max_batch_size=4, max_queue=16, executor=executor, on_step=steps,
+                                    on_queue_wait=waits.append)
+        tasks = [asyncio.ensure_future(batcher.submit(item, later())) for item in items[:3]]
+        steps.actions[3] = lambda: tasks.extend(asyncio.ensure_future(batcher.submit(item, later()))
+                                                for item in items[3:5])
+        steps.actions[6] = lambda: tasks.extend(asyncio.ensure_future(batcher.submit(item, later()))
+                                                for item in items[5:])
+        while len(tasks) < len(items) or not all(task.done() for task in tasks):
+            await asyncio.gather(*tasks)  # the list grows while the first ones run
+        results = [task.result() for task in tasks]
+        assert max(steps.sizes) == 4 and len(steps.sizes) < sum(s.max_new_tokens for _, s in items)
+        assert sum(steps.new_tokens) == sum(s.max_new_tokens for _, s in items)
+        assert batcher.running == batcher.waiting == 0
+        assert len(waits) == len(items) and min(waits) >= 0
+        return results
+
+    results = asyncio.run(scenario())
+    assert results == [alone(engine, tokens, sampling) for tokens, sampling in items]
+
+
+def test_short_requests_after_a_long_one_finish_first_through_a_reused_slot(engine, executor):
+    named = {"long": (prompt(6, 1), Sampling(max_new_tokens=50))}
+    named.update({f"short{i}": (prompt(3 + 4 * i, 10 + i), Sampling(max_new_tokens=3 + i)) for i in range(4)})
+
+    async def scenario() -> tuple[list[str], dict[str, list[int]], list[int]]:
+        steps, order = Steps(), []
+        batcher = ContinuousBatcher(engine, max_batch_size=2, max_queue=8, executor=executor, on_step=steps)
+        tasks = finish_order(batcher, {"long": named["long"]}, order)
+        # The shorts arrive once the long one runs; with 2 slots they take turns in the second.
+        shorts = {name: item for name, item in named.items() if name != "long"}
+        steps.actions[2] = lambda: tasks.update(finish_order(batcher, shorts, order))
+        await tasks["long"]
+        await asyncio.gather(*tasks.values())
+        return order, {name: task.result() for name, task in tasks.items()}, steps.sizes
+
+    order, results, sizes = asyncio.run(scenario())
+    assert order == ["short0", "short1", "short2", "short3", "long"]
+    assert max(sizes) == 2
+    assert results == {name: alone(engine, *item) for name, item in named.items()}
+
+
+def test_seeded_sampling_rows_draw_what_they_draw_alone(engine, executor):
+    items = [(prompt(4, 20), Sampling(max_new_tokens=10, temperature=0.9, top_k=8, seed=1)),
+             (prompt(9, 21), Sampling(max_new_tokens=6, temperature=1.2, seed=2)),
+             (prompt(2, 22), Sampling(max_new_tokens=8))]
+
+    async def scenario() -> list[list[int]]:
+        batcher = ContinuousBatcher(engine, max_batch_size=3, max_queue=4, executor=executor)
+        return await asyncio.gather(*(batcher.submit(item, later()) for item in items))
+
+    assert asyncio.run(scenario()) == [alone(engine, *item) for item in items]
+
+
+def test_a_full_queue_refuses_and_the_accepted_requests_still_finish(engine, executor):
+    long, next_ = (prompt(5, 30), Sampling(max_new_tokens=40)), (prompt(7, 31), Sampling(max_new_tokens=5))
+
+    async def scenario() -> list[list[int]]:
+        batcher = ContinuousBatcher(engine, max_batch_size=1, max_queue=1, executor=executor)
+        first = asyncio.ensure_future(batcher.submit(long, later()))
+        second = asyncio.ensure_future(batcher.submit(next_, later()))
+        await asyncio.sleep(0)  # both are in: one takes the only slot, one waits
+        with pytest.raises(QueueFull, match="serve.max_queue = 1") as refused:
+            await batcher.submit(next_, later())
+        assert refused.value.status == 503 and refused.value.retry_after_s >= 1
+        return [await first, await second]
+
+    assert asyncio.run(scenario()) == [alone(engine, *long), alone(engine, *next_)]
+
+
+def test_expired_and_disconnected_requests_leave_and_free_their_slot(engine, executor):
+    long, short = (prompt(5, 40), Sampling(max_new_tokens=40)), (prompt(3, 41), Sampling(max_new_tokens=4))
+
+    def gone_after(checks: int) -> Callable[[], Awaitable[bool]]:
+        seen = []
+
+        async def is_disconnected() -> bool:
+            seen.append(1)
+            return len(seen) > checks
+        return is_disconnected
+
+    async def scenario() -> list[list[int]]:
+        steps = Steps()
+        batcher = ContinuousBatcher(engine, max_batch_size=1, max_queue=4, executor=executor, on_step=steps)
+        with pytest.raises(DeadlineExceeded, match="before its deadline"):
+            await batcher.submit(short, time.monotonic())
+        leaving = asyncio.ensure_future(batcher.submit(long, later(), gone_after(3)))
+        waiting = asyncio.ensure_future(batcher.submit(short, later()))
+        with pytest.raises(ClientDisconnected):
+            await leaving
+        tokens = await waiting  # it got the slot the disconnected row left
+        assert len(steps.sizes) < 10 and batcher.running == batcher.waiting == 0
+        expiring = asyncio.ensure_future(batcher.submit(long, time.monotonic() + 0.05))
+        steps.actions[len(steps.sizes) + 2] = lambda: time.sleep(0.1)  # the deadline passes mid-generation
+        with pytest.raises(DeadlineExceeded, match="tokens ready"):
+            await expiring
+        return [tokens, await batcher.submit(short, later())]
+
+    assert asyncio.run(scenario()) == [alone(engine, *short)] * 2
+
+
+def test_bad_prompts_and_failing_forwards_fail_alone(engine, executor):
+    good = (prompt(6, 50), Sampling(max_new_tokens=8))
+
+    async def scenario() -> list[list[int]]:
+        batcher = ContinuousBatcher(engine, max_batch_size=2, max_queue=4, executor=executor)
+        with pytest.raises(BadRequest, match="more than this model's context of 64"):
+            await batcher.submit((prompt(60, 51), Sampling(max_new_tokens=5)), later())
+        with pytest.raises(BadRequest, match="outside this model's vocabulary"):
+            await batcher.submit(([VOCAB], Sampling()), later())
+        poisoned = asyncio.ensure_future(batcher.submit(([1, POISON, 2], Sampling(max_new_tokens=3)), later()))
+        tokens = await batcher.submit(good, later())
+        with pytest.raises(Unavailable, match="generation failed: the model cannot take this token"):
+            await poisoned
+        empty = await batcher.submit((prompt(3, 52), Sampling(max_new_tokens=0)), later())
+        await batcher.close()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await batcher.submit(good, later())
+        return [tokens, empty]
+
+    assert asyncio.run(scenario()) == [alone(engine, *good), []]
+
+
+def test_a_model_without_a_kv_cache_is_refused(executor):
+    with pytest.raises(TypeError, match="does not implement the KV-cache protocol"):
+        ContinuousBatcher(EagerEngine(MLP(VOCAB, d_model=8), VOCAB, CONTEXT), max_batch_size=2, max_queue=2,
+                          executor=executor)
