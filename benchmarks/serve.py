@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -88,29 +89,60 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection on asyncio streams: a load generator this light
+    leaves the 2 cores to the server (an httpx client cost several times the CPU per request)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, url: str) -> "Connection":
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        return cls(reader, writer, parts.netloc)
+
+    async def post(self, path: str, payload: dict) -> tuple[int, bytes]:
+        body = json.dumps(payload).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = next(int(line.split(":", 1)[1]) for line in lines[1:] if line.lower().startswith("content-length:"))
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 async def closed_loop(url: str, model: str, concurrency: int, requests: int, args: argparse.Namespace,
                       pause_s: float = 0.0, seed: int = 0) -> tuple[float, list[float]]:
     """Wall seconds and per-request latencies of ``requests`` requests, ``concurrency`` at a time."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 256) for _ in range(args.prompt_tokens)] for _ in range(requests)]
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    connections = [await Connection.open(url) for _ in range(concurrency)]
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        async def one_client(share: list[list[int]]) -> None:
-            for prompt in share:
-                start = time.perf_counter()
-                response = await client.post(f"/v1/models/{model}/generate",
-                                             json={"tokens": prompt, "max_new_tokens": args.new_tokens})
-                latencies.append(time.perf_counter() - start)
-                if response.status_code != 200:
-                    raise SystemExit(f"request failed: {response.status_code} {response.text}")
-                if pause_s:
-                    await asyncio.sleep(pause_s)
+    async def one_client(connection: Connection, share: list[list[int]]) -> None:
+        for prompt in share:
+            start = time.perf_counter()
+            status, body = await connection.post(f"/v1/models/{model}/generate",
+                                                 {"tokens": prompt, "max_new_tokens": args.new_tokens})
+            latencies.append(time.perf_counter() - start)
+            if status != 200:
+                raise SystemExit(f"request failed: {status} {body[:500]!r}")
+            if pause_s:
+                await asyncio.sleep(pause_s)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one_client(prompts[i::concurrency]) for i in range(concurrency)))
-        return time.perf_counter() - start, latencies
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(one_client(connection, prompts[i::concurrency])
+                               for i, connection in enumerate(connections)))
+    finally:
+        for connection in connections:
+            connection.close()
+    return time.perf_counter() - start, latencies
 
 
 def mean_batch_size(url: str) -> float:
