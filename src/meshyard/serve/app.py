@@ -65,7 +65,9 @@ class Server:
         self.router = router
         self.metrics = ServeMetrics()
         # One thread: models run one batch at a time, and a batch uses every core itself.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="meshyard-inference")
+        # torch.set_num_threads holds per thread: serve.threads is set on this one itself.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="meshyard-inference",
+                                           initializer=_inference_threads, initargs=(cfg.threads,))
         self.models = ModelCache(load or (lambda source: load_engine(source, cfg.runtime)),
                                  budget_bytes=cfg.memory_budget_bytes, pinned=set(cfg.pinned),
                                  executor=self.executor, metrics=self.metrics)
@@ -135,6 +137,12 @@ class Server:
                                  max_queue=cfg.max_queue, executor=self.executor, on_batch=on_batch,
                                  on_queue_wait=on_queue_wait)
         return Lane(batcher, None)
+
+
+def _inference_threads(threads: int) -> None:
+    """``serve.threads`` for the inference thread (0 keeps torch's default)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def _has_kv_cache(engine: Engine) -> bool:
