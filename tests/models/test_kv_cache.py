@@ -10,13 +10,7 @@ from meshyard.models.mlp import MLP
 VOCAB, CONTEXT = 48, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny forwards on a busy 2-core machine otherwise wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from meshyard.serve.loading import describe, load_engine
 from meshyard.serve.types import Sampling
@@ -26,14 +25,7 @@ REQUESTS = 2000
 LOGITS = "/v1/models/tiny/logits"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The servers share this machine's cores with this process: the models run here to
-    check their answers take one thread, so they do not contend with the servers' threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ VOCAB, CONTEXT = 64, 64
 POISON = VOCAB - 1  # a prompt holding it makes FragileGPT's prefill fail
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny forwards on a busy 2-core machine otherwise wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class FragileGPT(GPT):

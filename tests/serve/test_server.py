@@ -28,14 +28,7 @@ LOGITS = "/v1/models/tiny/logits"
 FAILING_TOKEN = 13
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The servers share this machine's cores with this process: the models run here to
-    check their answers take one thread, so they do not contend with the servers' threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -57,9 +57,9 @@ NAME_LIMIT = 40
 """Longest job name: Kubernetes derives pod, service and host names from it (``<name>-worker-12``),
 which must stay within 63 characters."""
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -218,12 +218,18 @@ def node_affinity(names: tuple[str, ...]) -> dict[str, Any]:
 def _name_problems(request: ManifestRequest) -> list[str]:
     """Names Kubernetes would refuse, found before ``kubectl apply`` does."""
     rules: list[tuple[str, str, re.Pattern[str], int, str]] = [
-        ("--name", request.name, _DNS1035, NAME_LIMIT, "lower-case letters, digits and '-', starting with a letter"),
-        ("--namespace", request.namespace, _DNS1123_LABEL, 63, "lower-case letters, digits and '-'"),
-        ("--checkpoint-pvc", request.checkpoint_pvc, _DNS1123_NAME, 253, "lower-case letters, digits, '-' and '.'"),
-        ("--storage-secret", request.storage_secret, _DNS1123_NAME, 253, "lower-case letters, digits, '-' and '.'"),
-        ("--queue", request.queue, _DNS1123_NAME, 63, "lower-case letters, digits, '-' and '.'"),
+        ("--name", request.name, DNS1035, NAME_LIMIT, "lower-case letters, digits and '-', starting with a letter"),
+        ("--namespace", request.namespace, DNS1123_LABEL, 63, "lower-case letters, digits and '-'"),
+        ("--checkpoint-pvc", request.checkpoint_pvc, DNS1123_NAME, 253, "lower-case letters, digits, '-' and '.'"),
+        ("--storage-secret", request.storage_secret, DNS1123_NAME, 253, "lower-case letters, digits, '-' and '.'"),
+        ("--queue", request.queue, DNS1123_NAME, 63, "lower-case letters, digits, '-' and '.'"),
     ]
+    return name_problems(rules)
+
+
+def name_problems(rules: list[tuple[str, str, re.Pattern[str], int, str]]) -> list[str]:
+    """One line per (flag, value, pattern, length limit, what is allowed) whose given value
+    Kubernetes would refuse as a name."""
     return [f"{flag} {value!r} is not a valid Kubernetes name: use at most {limit} {allowed}, starting and "
             "ending with a letter or digit"
             for flag, value, pattern, limit, allowed in rules

@@ -33,7 +33,8 @@ from typing import Any, NamedTuple
 from meshyard.config.checks import field_problems
 from meshyard.config.load import ConfigError, collect_config, parse_override
 from meshyard.config.sections import Config, ServeConfig
-from meshyard.launch.kubernetes import _DNS1035, _DNS1123_LABEL, _DNS1123_NAME, GPU_RESOURCE, NAME_LIMIT, default_name
+from meshyard.launch.kubernetes import (DNS1035, DNS1123_LABEL, DNS1123_NAME, GPU_RESOURCE, NAME_LIMIT, default_name,
+                                       name_problems)
 
 CONTAINER = "serve"
 PORT_NAME = "http"
@@ -224,13 +225,10 @@ def _port_problems(serve: ServeConfig, request: ServeRequest) -> list[str]:
 
 def _name_problems(request: ServeRequest) -> list[str]:
     """Names Kubernetes would refuse, found before ``kubectl apply`` does."""
-    rules = [("--name", request.name, _DNS1035, NAME_LIMIT, "lower-case letters, digits and '-', starting with a "
-              "letter"), ("--namespace", request.namespace, _DNS1123_LABEL, 63, "lower-case letters, digits and '-'"),
-             ("--model-pvc", request.model_pvc, _DNS1123_NAME, 253, "lower-case letters, digits, '-' and '.'")]
-    return [f"{flag} {value!r} is not a valid Kubernetes name: use at most {limit} {allowed}, starting and "
-            "ending with a letter or digit"
-            for flag, value, pattern, limit, allowed in rules
-            if value and (len(value) > limit or not pattern.match(value))]
+    rules = [("--name", request.name, DNS1035, NAME_LIMIT, "lower-case letters, digits and '-', starting with a "
+              "letter"), ("--namespace", request.namespace, DNS1123_LABEL, 63, "lower-case letters, digits and '-'"),
+             ("--model-pvc", request.model_pvc, DNS1123_NAME, 253, "lower-case letters, digits, '-' and '.'")]
+    return name_problems(rules)
 
 
 def _quantity_problems(request: ServeRequest) -> list[str]:

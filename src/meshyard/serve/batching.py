@@ -253,8 +253,8 @@ class DynamicBatcher(Generic[T, R]):
         for pending in batch:
             pending.queue_wait_s = max(0.0, started - pending.enqueued_at)
             pending.batch_size = len(batch)
-            _call_hook(self.on_queue_wait, pending.queue_wait_s)
-        _call_hook(self.on_batch, items, seconds)
+            call_hook(self.on_queue_wait, pending.queue_wait_s)
+        call_hook(self.on_batch, items, seconds)
         for pending, result in zip(batch, results):
             self._settle(pending, result)
 
@@ -284,7 +284,7 @@ def _log_crash(task: asyncio.Task) -> None:
         log.error("the batcher's worker stopped", exc_info=task.exception())
 
 
-def _call_hook(hook: Callable[..., None] | None, *args: object) -> None:
+def call_hook(hook: Callable[..., None] | None, *args: object) -> None:
     """Metrics hooks must never fail the requests they describe."""
     if hook is None:
         return

@@ -31,7 +31,7 @@ from typing import Awaitable, Callable, Sequence
 import torch
 
 from meshyard.models.kv_cache import KVCache
-from meshyard.serve.batching import ClientDisconnected
+from meshyard.serve.batching import ClientDisconnected, call_hook
 from meshyard.serve.decoding import decode_step, device_of, prefill, require_kv_cache
 from meshyard.serve.engine import Engine, check_sequences
 from meshyard.serve.sampling import generator_for, next_tokens
@@ -212,13 +212,13 @@ class ContinuousBatcher:
         new_tokens = await loop.run_in_executor(self._executor, self._step, admitted)
         self._last_step_s = time.monotonic() - started
         for request in admitted:
-            _call_hook(self._on_queue_wait, max(0.0, started - request.submitted_at))
+            call_hook(self._on_queue_wait, max(0.0, started - request.submitted_at))
         for request in [r for r in self._running if r.done or r.failure is not None]:
             if request.failure is not None:
                 self._resolve(request, error=Unavailable(f"generation failed: {request.failure}"))
             else:
                 self._resolve(request, result=list(request.tokens))
-        _call_hook(self._on_step, batch, self._last_step_s, new_tokens)
+        call_hook(self._on_step, batch, self._last_step_s, new_tokens)
 
     def _new_cache(self) -> KVCache:
         module = self.engine.module
@@ -313,12 +313,3 @@ class ContinuousBatcher:
             self._cache.release(request.slot)
             request.slot = None
 
-
-def _call_hook(hook: Callable[..., None] | None, *args: object) -> None:
-    """Metrics hooks must never fail the requests they describe."""
-    if hook is None:
-        return
-    try:
-        hook(*args)
-    except Exception:  # noqa: BLE001
-        log.exception("a continuous batcher hook failed")
