@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from meshyard.models.gpt import GPT, GPTShape
-from meshyard.models.kv_cache import KVCache, supports_kv_cache
+from meshyard.models.kv_cache import SPLIT_COST_ELEMENTS, KVCache, group_slots, supports_kv_cache
 from meshyard.models.mlp import MLP
 
 VOCAB, CONTEXT = 48, 32
@@ -103,3 +103,38 @@ def test_cache_layout_and_protocol_detection(model):
     assert cache.bytes == 2 * 2 * 3 * 4 * 16 * 8 * 8
     assert supports_kv_cache(model)
     assert not supports_kv_cache(MLP(vocab_size=8, d_model=4))
+
+
+def test_rows_are_split_where_reading_past_short_rows_costs_more_than_another_call():
+    split = 64  # positions one more attention call is worth
+    row_elements = SPLIT_COST_ELEMENTS // split
+    slots, ends = torch.tensor([0, 1, 2, 5, 6]), torch.tensor([300, 10, 12, 5, 7])
+    # Slot 0's 300 positions would be read for rows 1 and 2 too (600 > 64): cut; slots 5 and 6
+    # are not consecutive with 2: never one call.
+    assert group_slots(slots, ends, row_elements) == [(0, 1), (1, 3), (3, 5)]
+    assert group_slots(torch.tensor([3, 4, 5]), torch.tensor([40, 50, 60]), row_elements) == [(0, 3)]
+
+
+@torch.inference_mode()
+def test_a_step_reads_consecutive_slots_in_place_and_answers_in_row_order(model):
+    cache = model.init_kv_cache(6, CONTEXT)
+    sequences = {5: list(range(1, 25)), 1: [3, 4, 5], 2: [6, 7, 8, 9]}
+    for slot, sequence in sequences.items():
+        model(torch.tensor([sequence]), cache=cache, slots=[slot], positions=[0])
+    step = cache.begin([5, 1, 2], None, 1)
+    assert [(g.slots, g.span) for g in step.groups] == [(slice(1, 3), 5), (slice(5, 6), 25)]
+    assert step.order.tolist() == [2, 0, 1]  # groups hold rows of slots 1, 2, 5: back to 5, 1, 2
+    cache.lengths[[5, 1, 2]] -= 1  # undo the step begun above
+    new = torch.tensor([[7], [8], [9]])
+    logits = model(new, cache=cache, slots=[5, 1, 2])
+    for row, slot in enumerate([5, 1, 2]):
+        assert_close(logits[row, 0], recomputed(model, sequences[slot] + [int(new[row, 0])]))
+
+
+def test_a_new_sequence_takes_the_free_slot_beside_the_shortest_ones(model):
+    cache = model.init_kv_cache(4, CONTEXT)
+    for slot, length in zip([cache.allocate() for _ in range(4)], [20, 20, 2, 2]):
+        model(torch.ones(1, length, dtype=torch.long), cache=cache, slots=[slot], positions=[0])
+    cache.release(1)
+    cache.release(3)
+    assert cache.allocate() == 3  # beside slot 2's 2 positions, not slot 0's 20
