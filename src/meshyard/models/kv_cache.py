@@ -21,7 +21,8 @@ The protocol (what ``supports_kv_cache`` checks and ``meshyard.serve.decoding`` 
     with position 0; a decoding step is a call with T = 1.
 
 Inside the model: ``step = cache.begin(slots, positions, T)`` once per forward (it checks the
-request, updates the slots' lengths and builds the mask shared by all layers), the absolute
+request, updates the slots' lengths, and groups the rows by consecutive slots and similar
+lengths with their masks, shared by all layers: each group is read in place), the absolute
 token positions are ``step.positions`` (for position embeddings), and each attention layer ``i``
 calls ``step.attend(i, q, k, v)`` with its new queries, keys and values shaped
 (B, heads, T, head_dim): the cache stores k and v and returns the attention output.
@@ -68,7 +69,7 @@ class CacheStep:
     positions: torch.Tensor  # [B, T] absolute position of each new token, on the cache's device
     fresh: bool  # every row starts at position 0 with the same length: plain causal attention
     groups: tuple[SlotGroup, ...]  # the rows by consecutive slots and similar lengths (unless fresh)
-    order: torch.Tensor | None  # the rows of the groups, one after another, back in row order; None: already
+    order: torch.Tensor | None  # puts the groups' rows, concatenated, back in row order; None: they are
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store layer ``layer``'s new keys and values and return attention over the slot's contents.
