@@ -422,13 +422,15 @@ def step_costs(engine: EagerEngine, max_batch: int) -> dict[int, float]:
 
 
 def scheduling_ceiling(costs: dict[int, float], items: list[tuple[list[int], Sampling]], max_batch: int) -> float:
-    """The most continuous batching can gain over request-level batching in tokens/s on these
-    requests at these step costs, whatever its schedule: a decoding forward costs a fixed part
-    (reading the weights) plus a part per row, fitted to the costs at batch 1 and
-    ``max_batch``. Request-level batching runs each batch of ``max_batch`` requests (in
-    order) for its longest completion; continuous batching at best runs only full forwards.
-    Both decode the same rows, so only the fixed parts differ. Prefills (the same work for
-    both) and drains are left out, so the bound is generous."""
+    """About the most continuous batching can gain over request-level batching in tokens/s on
+    these requests at these step costs, whatever its schedule: a decoding forward is modelled
+    as a fixed part (reading the weights) plus a part per row, fitted to the costs at batch 1
+    and ``max_batch`` (a model: real costs also grow with the positions attended and jump
+    where the matrix kernels change, so measured gains land near it, either side).
+    Request-level batching runs each batch of ``max_batch`` requests (in order) for its
+    longest completion; continuous batching at best runs only full forwards. Both decode the
+    same rows, so only the fixed parts differ. Prefills (the same work for both) and drains
+    are left out."""
     per_row = (costs[max_batch] - costs[1]) / (max_batch - 1)
     fixed = costs[1] - per_row
     decoded = [s.max_new_tokens - 1 for _, s in items]  # the first token comes from the prefill
@@ -505,8 +507,8 @@ def batching_runs(args: argparse.Namespace, preset: str, items: list[tuple[list[
     print(f"   {preset} shape ({params / 1e6:.1f}M parameters, {4 * params / 2**20:.0f} MiB): a decoding "
           f"forward takes {costs[1] * 1e3:.1f} ms at batch 1, {costs[args.max_batch] * 1e3:.1f} ms at batch "
           f"{args.max_batch} ({costs[args.max_batch] / costs[1]:.1f}x the time for {args.max_batch}x the rows); at "
-          f"these costs no schedule gains more than {scheduling_ceiling(costs, items, args.max_batch):.2f}x tokens/s "
-          "over request-level batching on these requests (fixed cost per forward + cost per row)")
+          f"these costs (fitted as a fixed cost per forward + a cost per row) any schedule gains about "
+          f"{scheduling_ceiling(costs, items, args.max_batch):.2f}x tokens/s over request-level batching at most")
     # First-call costs out of the way.
     executor.submit(engine.generate, [items[0][0]], [Sampling(max_new_tokens=4)]).result()
     at_once = compare("all at once", engine, items, [0.0] * len(items), args.max_batch, executor)
