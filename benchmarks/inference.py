@@ -533,7 +533,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--export-model", default="gpt-small")
     parser.add_argument("--seq-len", type=int, default=128, help="context of the trained model")
     parser.add_argument("--train-steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls at batch 16 (4x as many at batch 1)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed calls at batch 16 (4x as many at batch 1)")
     parser.add_argument("--kv-model", default="gpt-small")
     parser.add_argument("--kv-prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
