@@ -135,6 +135,26 @@ def test_a_corrupted_int8_model_is_refused_by_the_gate(run_dir, eager):
         check_parity(ExportRequest(str(run_dir), "torchscript", Path("never.pt")), parity)
 
 
+def test_nan_logits_and_a_shape_fixed_export_are_refused_not_passed(run_dir, eager):
+    held = held_out(describe(str(run_dir)).config.data, batches=1)
+    request = ExportRequest(str(run_dir), "torchscript", Path("never.pt"))
+    check_parity(request, compare(eager.forward, eager.forward, held))  # the same model passes
+
+    def nan_logits(tokens: torch.Tensor) -> torch.Tensor:
+        return eager.forward(tokens).masked_fill(tokens[..., None] == tokens[0, 0], float("nan"))
+
+    example_shape = held.batches[0][0].shape
+
+    def fixed_shape(tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape != example_shape:
+            raise RuntimeError(f"expected input of shape {tuple(example_shape)}")
+        return eager.forward(tokens)
+
+    for broken in (nan_logits, fixed_shape):
+        with pytest.raises(ExportRefused, match="non-finite logits, logits of another shape, or failed"):
+            check_parity(request, compare(eager.forward, broken, held))
+
+
 def test_refused_export_leaves_nothing_behind(run_dir, tmp_path, capsys):
     out = tmp_path / "refused.safetensors"
     # An INT8 model cannot be 50% better than float32: the gate must refuse.

@@ -14,24 +14,23 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+import kubernetes_validate
 import pytest
 import torch
+import yaml
 
-yaml = pytest.importorskip("yaml")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-
-from meshyard.checkpoint.locate import locate  # noqa: E402
-from meshyard.checkpoint.tools import model_state, read_full_state  # noqa: E402
-from meshyard.cli import main  # noqa: E402
-from meshyard.config.dump import config_to_toml  # noqa: E402
-from meshyard.config.load import load_config  # noqa: E402
-from meshyard.config.sections import ServeConfig  # noqa: E402
-from meshyard.launch.k8s_cli import to_yaml  # noqa: E402
-from meshyard.launch.serve_manifest import (IN_FLIGHT_METRIC, MODEL_MOUNT, SCALE_DOWN_WINDOW_S,  # noqa: E402
+from meshyard.checkpoint.locate import locate
+from meshyard.checkpoint.tools import model_state, read_full_state
+from meshyard.cli import main
+from meshyard.config.dump import config_to_toml
+from meshyard.config.load import load_config
+from meshyard.config.sections import ServeConfig
+from meshyard.launch.k8s_cli import to_yaml
+from meshyard.launch.serve_manifest import (IN_FLIGHT_METRIC, MODEL_MOUNT, SCALE_DOWN_WINDOW_S,
                                             CheckpointSize, ServeRequest, build, checkpoint_size, memory_for, plan,
                                             quantity, serve_manifests)
-from tests.conftest import tiny_config  # noqa: E402
-from tests.inprocess import fit_here  # noqa: E402
+from tests.conftest import tiny_config
+from tests.inprocess import fit_here
 
 HERE = Path(__file__).resolve().parent / "k8s" / "serve"
 KUBERNETES = "1.37"
@@ -283,7 +282,6 @@ def test_the_command_serves_a_trained_run_sized_from_its_checkpoint(trained_run,
 def test_the_pods_command_serves_the_run_ready_on_its_probes(trained_run, tmp_path, capsys):
     """The container's command, run as a real server: the probes' paths answer 200 once the
     pinned model is loaded, and /metrics has the gauge the autoscaler reads."""
-    pytest.importorskip("meshyard.serve.app")
     import httpx
 
     from tests.serve.servers import running_servers

@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
 import pytest
 import torch
@@ -12,10 +12,12 @@ from meshyard.models.gpt import GPT, GPTShape
 from meshyard.models.mlp import MLP
 from meshyard.serve.batching import ClientDisconnected
 from meshyard.serve.continuous import ContinuousBatcher
-from meshyard.serve.engine import EagerEngine
+from meshyard.serve.engine import EagerEngine, generate_by_recomputing
 from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, Sampling, Unavailable
 
 VOCAB, CONTEXT = 64, 64
+HANG_GUARD_S = 30.0  # far beyond any scenario here; reaching it means the batcher hung
+T = TypeVar("T")
 POISON = VOCAB - 1  # a prompt holding it makes FragileGPT's prefill fail
 
 
@@ -44,13 +46,19 @@ def executor():
         yield pool
 
 
+def run(scenario: Awaitable[T]) -> T:
+    """``scenario`` on a new event loop; a hang becomes a failure after ``HANG_GUARD_S``."""
+    return asyncio.run(asyncio.wait_for(scenario, HANG_GUARD_S))
+
+
 def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, POISON, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def alone(engine: EagerEngine, tokens: list[int], sampling: Sampling) -> list[int]:
-    """Unbatched generation by recomputing the prefix (the reference)."""
-    return engine.generate([tokens], [sampling])[0]
+    """Unbatched generation by recomputing the prefix (the reference: no cache)."""
+    with torch.inference_mode():
+        return generate_by_recomputing(engine.forward, [tokens], [sampling], CONTEXT, VOCAB)[0]
 
 
 class Steps:
@@ -105,7 +113,7 @@ def test_tokens_equal_unbatched_greedy_for_requests_joining_at_different_steps(e
         assert len(waits) == len(items) and min(waits) >= 0
         return results
 
-    results = asyncio.run(scenario())
+    results = run(scenario())
     assert results == [alone(engine, tokens, sampling) for tokens, sampling in items]
 
 
@@ -124,7 +132,7 @@ def test_short_requests_after_a_long_one_finish_first_through_a_reused_slot(engi
         await asyncio.gather(*tasks.values())
         return order, {name: task.result() for name, task in tasks.items()}, steps.sizes
 
-    order, results, sizes = asyncio.run(scenario())
+    order, results, sizes = run(scenario())
     assert order == ["short0", "short1", "short2", "short3", "long"]
     assert max(sizes) == 2
     assert results == {name: alone(engine, *item) for name, item in named.items()}
@@ -139,7 +147,7 @@ def test_seeded_sampling_rows_draw_what_they_draw_alone(engine, executor):
         batcher = ContinuousBatcher(engine, max_batch_size=3, max_queue=4, executor=executor)
         return await asyncio.gather(*(batcher.submit(item, later()) for item in items))
 
-    assert asyncio.run(scenario()) == [alone(engine, *item) for item in items]
+    assert run(scenario()) == [alone(engine, *item) for item in items]
 
 
 def test_a_full_queue_refuses_and_the_accepted_requests_still_finish(engine, executor):
@@ -155,7 +163,7 @@ def test_a_full_queue_refuses_and_the_accepted_requests_still_finish(engine, exe
         assert refused.value.status == 503 and refused.value.retry_after_s >= 1
         return [await first, await second]
 
-    assert asyncio.run(scenario()) == [alone(engine, *long), alone(engine, *next_)]
+    assert run(scenario()) == [alone(engine, *long), alone(engine, *next_)]
 
 
 def test_expired_and_disconnected_requests_leave_and_free_their_slot(engine, executor):
@@ -186,7 +194,7 @@ def test_expired_and_disconnected_requests_leave_and_free_their_slot(engine, exe
             await expiring
         return [tokens, await batcher.submit(short, later())]
 
-    assert asyncio.run(scenario()) == [alone(engine, *short)] * 2
+    assert run(scenario()) == [alone(engine, *short)] * 2
 
 
 def test_bad_prompts_and_failing_forwards_fail_alone(engine, executor):
@@ -208,7 +216,7 @@ def test_bad_prompts_and_failing_forwards_fail_alone(engine, executor):
             await batcher.submit(good, later())
         return [tokens, empty]
 
-    assert asyncio.run(scenario()) == [alone(engine, *good), []]
+    assert run(scenario()) == [alone(engine, *good), []]
 
 
 def test_a_model_without_a_kv_cache_is_refused(executor):

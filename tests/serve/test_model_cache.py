@@ -84,10 +84,10 @@ def executor() -> Iterator[ThreadPoolExecutor]:
 
 
 def make(executor: ThreadPoolExecutor, clock: Clock, loader: Loader, budget: int = 0,
-         pinned: set[str] | None = None) -> tuple[ModelCache, ServeMetrics]:
+         pinned: set[str] | None = None, on_evict=None) -> tuple[ModelCache, ServeMetrics]:  # noqa: ANN001
     metrics = ServeMetrics()
     cache = ModelCache(loader, budget_bytes=budget, pinned=pinned or set(), executor=executor, metrics=metrics,
-                       clock=clock)
+                       clock=clock, on_evict=on_evict)
     return cache, metrics
 
 
@@ -130,7 +130,8 @@ def test_concurrent_first_use_loads_and_warms_up_once(executor):
 def test_eviction_takes_the_longest_idle_per_second_of_loading_first(executor):
     clock = Clock()
     loader = Loader(clock, cost={"costly": 10.0, "cheap": 1.0, "recent": 1.0, "d": 1.0, "e": 1.0})
-    cache, metrics = make(executor, clock, loader, budget=300)
+    evicted: list[tuple[str, str]] = []
+    cache, metrics = make(executor, clock, loader, budget=300, on_evict=evicted.append)
     costly, cheap, recent, d, e = (source(n) for n in ("costly", "cheap", "recent", "d", "e"))
 
     async def main() -> list[list[str]]:
@@ -147,6 +148,7 @@ def test_eviction_takes_the_longest_idle_per_second_of_loading_first(executor):
     # d: cheap (idle 100 s / 1 s of loading) goes before costly (100 s / 10 s) and recent (0 s).
     # e: costly (101 s / 10 s) goes before recent (1 s / 1 s).
     assert steps == [["costly", "recent", "d"], ["recent", "d", "e"]]
+    assert evicted == [("cheap", "step-1.abcdef"), ("costly", "step-1.abcdef")]  # the server drops their batchers
     assert cache.total_bytes == 300
     assert metrics.value("model_evictions_total", model="cheap", version="step-1.abcdef") == 1
     assert metrics.value("model_evictions_total", model="costly", version="step-1.abcdef") == 1

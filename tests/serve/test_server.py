@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import httpx
@@ -298,3 +299,13 @@ def test_a_port_in_use_is_refused(capsys, trained_run):
         taken.listen()
         port = taken.getsockname()[1]
         assert f"cannot listen on 127.0.0.1:{port}" in _refused(capsys, str(trained_run), "--port", str(port))
+
+
+@pytest.mark.parametrize("missing, argv, needs", [
+    ("starlette", [], "meshyard serve needs the 'starlette' package"),
+    ("redis", ["--cache", "redis://127.0.0.1:1/0"], "serve.cache = 'redis://127.0.0.1:1/0' needs the 'redis' package"),
+])
+def test_a_missing_optional_package_names_its_extra(missing, argv, needs, capsys, trained_run, monkeypatch):
+    monkeypatch.setitem(sys.modules, missing, None)  # what an environment without it imports
+    err = _refused(capsys, str(trained_run), *argv)
+    assert needs in err and "pip install" in err

@@ -66,8 +66,3 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     return 0
 
-
-if __name__ == "__main__":  # until the top-level command registers it: python -m meshyard.export.cli ...
-    parser = argparse.ArgumentParser(prog="meshyard")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    sys.exit(main(parser.parse_args()))

@@ -181,9 +181,12 @@ def check_parity(request: ExportRequest, parity: Parity) -> None:
     """Refuse a float32 export whose logits differ from the eager model's beyond the tolerance."""
     if math.isfinite(parity.max_abs_diff) and parity.max_abs_diff <= request.tolerance:
         return
+    how_far = (f"its logits differ by up to {parity.max_abs_diff:.3g} on held-out data" if
+               math.isfinite(parity.max_abs_diff) else "it gave non-finite logits, logits of another shape, or "
+               "failed on an input of another shape than the example's")
     raise ExportRefused(
-        f"the {request.format} export does not compute what the model computes: its logits differ by up to "
-        f"{parity.max_abs_diff:.3g} on held-out data, more than the tolerance {request.tolerance:g} (eval loss "
+        f"the {request.format} export does not compute what the model computes: {how_far}, beyond the "
+        f"tolerance {request.tolerance:g} (eval loss "
         f"{parity.eager_loss:.5f} eager, {parity.export_loss:.5f} exported). Nothing was written to {request.out}. "
         "The model may do something its trace or the exporter cannot follow (data-dependent control flow, "
         "in-place tricks); try another --format, or pass a larger --tolerance if the difference is rounding you accept")

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshyard.config.sections import ServeConfig
+from meshyard.serve.batching import ClientDisconnected
 from meshyard.serve.engine import Engine
 from meshyard.serve.loading import ModelSource, load_engine
 from meshyard.serve.metrics import ServeMetrics
@@ -41,8 +42,6 @@ log = logging.getLogger("meshyard.serve")
 
 GENERATE_EXAMPLE = '{"prompt": "Hello", "max_new_tokens": 16}'
 LOGITS_EXAMPLE = '{"sequences": [[72, 101, 108]], "top_k": 5}'
-CLIENT_CLOSED = 499
-"""Status the batchers give a request whose client went away (recorded, never read by anyone)."""
 LOWEST_LOGPROB = -1e30  # stands for -inf, which JSON cannot carry
 
 
@@ -70,16 +69,21 @@ class Server:
                                            initializer=_inference_threads, initargs=(cfg.threads,))
         self.models = ModelCache(load or (lambda source: load_engine(source, cfg.runtime)),
                                  budget_bytes=cfg.memory_budget_bytes, pinned=set(cfg.pinned),
-                                 executor=self.executor, metrics=self.metrics)
+                                 executor=self.executor, metrics=self.metrics, on_evict=self._drop_lanes)
         self.cache = open_cache(cfg.cache, cfg.cache_entries, cfg.cache_ttl_s)
         self.lanes: dict[tuple[str, str, str], Lane] = {}
         self._closing: set[asyncio.Task] = set()
-        self.ready = not self.pinned_sources()
         self.startup_problem = ""
 
     def pinned_sources(self) -> list[ModelSource]:
         """Every version of the pinned names."""
         return [source for source, _ in self.router.listing() if source.name in self.cfg.pinned]
+
+    @property
+    def ready(self) -> bool:
+        """Whether every pinned model is loaded (pinned models are never evicted; one that
+        failed at startup and loads later on a request makes the server ready then)."""
+        return all(self.models.loaded(source) for source in self.pinned_sources())
 
     async def start(self) -> None:
         """Loads the pinned models; the server is ready once they are."""
@@ -88,8 +92,6 @@ class Server:
         except Exception as exc:  # reported by /readyz and the log; requests still try again
             self.startup_problem = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             log.exception("loading the pinned models failed")
-            return
-        self.ready = True
 
     async def close(self) -> None:
         """Stops the batchers, closes the prediction cache and the inference thread."""
@@ -99,17 +101,20 @@ class Server:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def lane(self, source: ModelSource, endpoint: str, engine: Engine) -> Lane:
-        """The batcher of ``source``'s ``endpoint``, created on first use (and again for a
-        continuous batcher whose model was evicted and loaded anew, as it holds that engine)."""
+        """The batcher of ``source``'s ``endpoint``, created on first use."""
         key = (source.name, source.version, endpoint)
         lane = self.lanes.get(key)
-        if lane is None or (lane.engine is not None and lane.engine is not engine):
-            if lane is not None:  # the model was evicted and loaded again: its old batcher is idle
-                closing = asyncio.get_running_loop().create_task(lane.batcher.close())
-                self._closing.add(closing)  # held until done, or the loop may drop the task
-                closing.add_done_callback(self._closing.discard)
+        if lane is None:
             lane = self.lanes[key] = self._new_lane(source, endpoint, engine)
         return lane
+
+    def _drop_lanes(self, model: tuple[str, str]) -> None:
+        """An evicted model's batchers go with it: a continuous batcher holds the engine and
+        its KV cache. They are idle (a request holds its model in use until answered)."""
+        for key in [key for key in self.lanes if key[:2] == model]:
+            closing = asyncio.get_running_loop().create_task(self.lanes.pop(key).batcher.close())
+            self._closing.add(closing)  # held until done, or the loop may drop the task
+            closing.add_done_callback(self._closing.discard)
 
     def _new_lane(self, source: ModelSource, endpoint: str, engine: Engine) -> Lane:
         cfg, name, version = self.cfg, source.name, source.version
@@ -224,7 +229,7 @@ def rejection(exc: ServeError) -> str | None:
         return "deadline"
     if isinstance(exc, BadRequest):
         return "bad_request"
-    return "disconnected" if exc.status == CLIENT_CLOSED else None
+    return "disconnected" if isinstance(exc, ClientDisconnected) else None
 
 
 def error_response(exc: ServeError) -> JSONResponse:

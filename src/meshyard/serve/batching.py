@@ -39,7 +39,7 @@ R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
-_SHUTTING_DOWN = "the server is shutting down; send the request to another replica or try again later"
+SHUTTING_DOWN = "the server is shutting down; send the request to another replica or try again later"
 
 
 class ClientDisconnected(ServeError):
@@ -127,7 +127,7 @@ class DynamicBatcher(Generic[T, R]):
         finishes in the executor, unread), get ``Unavailable``."""
         self._closed = True
         for pending in [*self._queue, *self._running]:
-            self._settle(pending, Unavailable(_SHUTTING_DOWN))
+            self._settle(pending, Unavailable(SHUTTING_DOWN))
         self._queue.clear()
         if self._worker is not None:
             self._worker.cancel()
@@ -140,7 +140,7 @@ class DynamicBatcher(Generic[T, R]):
     def _enqueue(self, item: T, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None,
                  ) -> _Pending[T, R]:
         if self._closed:
-            raise Unavailable(_SHUTTING_DOWN)
+            raise Unavailable(SHUTTING_DOWN)
         if len(self._queue) >= self.max_queue:
             raise QueueFull(f"{len(self._queue)} requests already wait for this model (serve.max_queue = "
                             f"{self.max_queue}); retry after the Retry-After delay, or add replicas",
@@ -223,7 +223,7 @@ class DynamicBatcher(Generic[T, R]):
         while self._queue and len(batch) < self.max_batch_size:
             candidates = [self._queue.popleft() for _ in range(min(self.max_batch_size - len(batch),
                                                                    len(self._queue)))]
-            gone = await asyncio.gather(*(_disconnected(p) for p in candidates))
+            gone = await asyncio.gather(*(client_gone(p.is_disconnected) for p in candidates))
             now = time.monotonic()
             for pending, disconnected in zip(candidates, gone):
                 if pending.future.done():  # its caller already stopped waiting
@@ -266,13 +266,13 @@ def _timed(run_batch: Callable[[list[T]], list[R]], items: list[T]) -> tuple[flo
     return started, time.monotonic() - started, list(results)
 
 
-async def _disconnected(pending: _Pending) -> bool:
-    """Whether the item's client went away; a failing check keeps the item (its answer will
-    simply not be delivered)."""
-    if pending.is_disconnected is None or pending.future.done():
+async def client_gone(is_disconnected: Callable[[], Awaitable[bool]] | None) -> bool:
+    """Whether a request's client went away, by its ``is_disconnected`` check (None: no
+    check); a failing check keeps the request (its answer will simply not be delivered)."""
+    if is_disconnected is None:
         return False
     try:
-        return bool(await pending.is_disconnected())
+        return bool(await is_disconnected())
     except Exception:  # noqa: BLE001 - a broken check must not drop a live request
         log.debug("is_disconnected() failed; keeping the request", exc_info=True)
         return False

@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshyard.config.checks import field_problems
+from meshyard.config.checks import CACHE_SCHEMES, field_problems
 from meshyard.config.load import ConfigError, load_config
 from meshyard.config.sections import ServeConfig
+from meshyard.extras import MissingExtra, require
 
 EXIT_BAD_INPUT = 2
 
@@ -198,17 +199,16 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     """``meshyard serve``: 0 after SIGTERM or SIGINT, 2 for a command line that cannot be served."""
     try:
         cfg = settings(args, overrides)
+        for module in ("starlette", "uvicorn", *(["redis"] if cfg.cache.startswith(CACHE_SCHEMES) else [])):
+            require(module, "meshyard serve" if module != "redis" else f"serve.cache = '{cfg.cache}'")
         router = routes(args, cfg)
         sock = listen(cfg.host, cfg.port)
-    except (ServeArgumentError, ConfigError) as exc:
+    except (ServeArgumentError, ConfigError, MissingExtra) as exc:
         print(f"meshyard serve: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    import torch
-
     from meshyard.serve.app import Server, build_app
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    # serve.threads is set on the inference thread, where every model call runs (Server).
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for source, weight in router.listing():
         share = "" if weight == 1.0 else f" ({weight:.0%} of '{source.name}' traffic)"

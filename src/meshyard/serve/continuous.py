@@ -31,9 +31,10 @@ from typing import Awaitable, Callable, Sequence
 import torch
 
 from meshyard.models.kv_cache import KVCache
-from meshyard.serve.batching import ClientDisconnected, call_hook
+from meshyard.serve.batching import SHUTTING_DOWN, ClientDisconnected, call_hook, client_gone
 from meshyard.serve.decoding import decode_step, device_of, prefill, require_kv_cache
-from meshyard.serve.engine import Engine, check_sequences
+from meshyard.serve.checks import check_sequences
+from meshyard.serve.engine import Engine
 from meshyard.serve.sampling import generator_for, next_tokens
 from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, Sampling, ServeError, Unavailable
 
@@ -136,7 +137,7 @@ class ContinuousBatcher:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         for request in [*self._waiting, *self._running]:
-            self._resolve(request, error=Unavailable("the server is shutting down; retry on another replica"))
+            self._resolve(request, error=Unavailable(SHUTTING_DOWN))
 
     # -- submission ---------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class ContinuousBatcher:
         except ValueError as error:
             raise BadRequest(str(error)) from None
         if self._closed:
-            raise Unavailable("the server is shutting down; retry on another replica")
+            raise Unavailable(SHUTTING_DOWN)
         # Requests that free slots will take at the next step boundary do not count as queued.
         queued = len(self._waiting) - (self.max_batch_size - len(self._running))
         if queued >= self.max_queue:
@@ -225,28 +226,19 @@ class ContinuousBatcher:
         return module.init_kv_cache(self.max_batch_size, self.engine.context_length, device=device_of(module))
 
     async def _drop_gone(self) -> None:
-        """Remove requests whose caller is gone or whose deadline passed, freeing their slots."""
+        """Remove requests whose caller is gone or whose deadline passed, freeing their slots
+        (the clients are asked together, not one after another)."""
+        requests = [*self._waiting, *self._running]
+        gone = await asyncio.gather(*(client_gone(r.is_disconnected) for r in requests))
         now = time.monotonic()
-        for request in [*self._waiting, *self._running]:
+        for request, disconnected in zip(requests, gone):
             if request.future.done():
                 self._remove(request)
             elif now >= request.deadline:
                 self._resolve(request, error=self._expired(request))
-            elif await self._disconnected(request):
+            elif disconnected:
                 self._resolve(request, error=ClientDisconnected("the client disconnected before its completion "
                                                                 "was ready"))
-
-    @staticmethod
-    async def _disconnected(request: _Request) -> bool:
-        """Whether the request's client went away (a failing check keeps the request, as the
-        dynamic batcher does: its answer is simply not delivered)."""
-        if request.is_disconnected is None:
-            return False
-        try:
-            return bool(await request.is_disconnected())
-        except Exception:  # noqa: BLE001 - a broken check must not drop a live request
-            log.debug("is_disconnected() failed; keeping the request", exc_info=True)
-            return False
 
     def _admit(self) -> list[_Request]:
         """Move waiting requests into free slots, oldest first."""

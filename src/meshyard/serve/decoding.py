@@ -16,6 +16,7 @@ from torch import nn
 
 from meshyard.models.kv_cache import KVCache, supports_kv_cache
 from meshyard.models.outputs import logits_of
+from meshyard.serve.checks import check_prompts
 from meshyard.serve.sampling import generator_for, next_tokens
 from meshyard.serve.types import Sampling
 
@@ -33,20 +34,6 @@ def require_kv_cache(module: nn.Module) -> None:
             f"{type(module).__name__} does not implement the KV-cache protocol (an init_kv_cache method and a "
             "forward taking cache=, slots= and positions=, see meshyard.models.kv_cache): generate without a "
             "cache (serve.scheduler = 'dynamic') or add the protocol to the model")
-
-
-def check_request(prompt: Sequence[int], sampling: Sampling, context_length: int) -> None:
-    """ValueError for a prompt the cache cannot hold: empty, or longer than the context with
-    its new tokens (the same rules as recomputing generation)."""
-    if not prompt:
-        raise ValueError("the prompt is empty: send at least one token to continue from")
-    if sampling.max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={sampling.max_new_tokens} is negative: ask for 0 or more new tokens")
-    if len(prompt) + sampling.max_new_tokens > context_length:
-        raise ValueError(
-            f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds the model's "
-            f"context of {context_length} tokens: shorten the prompt or ask for at most "
-            f"{max(context_length - len(prompt), 0)} new tokens")
 
 
 def prefill(module: nn.Module, cache: KVCache, slot: int, prompt: Sequence[int]) -> torch.Tensor:
@@ -88,16 +75,13 @@ def _prefill_by_length(module: nn.Module, cache: KVCache, slot_of: dict[int, int
 
 
 def generate_with_cache(module: nn.Module, prompts: list[list[int]], sampling: list[Sampling],
-                        context_length: int) -> list[list[int]]:
+                        context_length: int, vocab_size: int) -> list[list[int]]:
     """The new tokens of each prompt (exactly ``sampling[i].max_new_tokens`` for row i, no stop
     token), decoded with a KV cache: one prefill forward per prompt, then one batched forward
     per step over all unfinished rows. Row i's tokens equal what it gives alone (each row draws
     from its own generator)."""
     require_kv_cache(module)
-    if len(prompts) != len(sampling):
-        raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling settings: pass one per prompt")
-    for prompt, settings in zip(prompts, sampling):
-        check_request(prompt, settings, context_length)
+    check_prompts(prompts, sampling, vocab_size, context_length)
     rows = [i for i, settings in enumerate(sampling) if settings.max_new_tokens > 0]
     out: list[list[int]] = [[] for _ in prompts]
     if not rows:

@@ -15,7 +15,8 @@ from torch import nn
 
 from meshyard.models.kv_cache import supports_kv_cache
 from meshyard.models.outputs import logits_of
-from meshyard.serve.decoding import generate_with_cache
+from meshyard.serve.checks import check_prompts, check_sequences
+from meshyard.serve.decoding import device_of, generate_with_cache
 from meshyard.serve.sampling import generator_for, next_tokens
 from meshyard.serve.types import Sampling
 
@@ -47,29 +48,6 @@ class Engine(Protocol):
         ...
 
 
-def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int, context_length: int,
-                    new_tokens: Sequence[int] | None = None) -> None:
-    """Raise ValueError naming the first sequence that is empty, holds an id outside
-    [0, vocab_size), or with its ``new_tokens`` does not fit ``context_length``."""
-    if not sequences:
-        raise ValueError("no sequences were given; send at least one sequence of token ids")
-    for i, sequence in enumerate(sequences):
-        extra = new_tokens[i] if new_tokens is not None else 0
-        if not sequence:
-            raise ValueError(f"sequence {i} is empty; give at least one token id")
-        low, high = min(sequence), max(sequence)
-        if low < 0 or high >= vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"sequence {i} holds token id {bad}, outside this model's vocabulary "
-                             f"[0, {vocab_size}); send ids from 0 to {vocab_size - 1}")
-        if extra < 0:
-            raise ValueError(f"row {i} asks for {extra} new tokens; ask for 0 or more")
-        if len(sequence) + extra > context_length:
-            asked = f"{len(sequence)} tokens" + (f" + {extra} new tokens" if new_tokens is not None else "")
-            raise ValueError(f"sequence {i} needs {asked}, more than this model's context of "
-                             f"{context_length}; shorten the prompt or ask for fewer new tokens")
-
-
 def padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequences right-padded into a [B, T] LongTensor, and each one's last index [B]."""
     width = max(len(s) for s in sequences)
@@ -87,15 +65,6 @@ def last_logits(forward: Forward, sequences: Sequence[Sequence[int]]) -> torch.T
     logits = forward(batch)
     rows = logits[torch.arange(len(sequences), device=logits.device), last.to(logits.device)]
     return rows.to(device="cpu", dtype=torch.float32)
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], vocab_size: int,
-                  context_length: int) -> None:
-    """Raise ValueError unless there is one ``Sampling`` per prompt and every prompt with its
-    new tokens fits (``check_sequences``)."""
-    if len(prompts) != len(sampling):
-        raise ValueError(f"{len(prompts)} prompts but {len(sampling)} Sampling values; give one per prompt")
-    check_sequences(prompts, vocab_size, context_length, [s.max_new_tokens for s in sampling])
 
 
 def generate_by_recomputing(forward: Forward, prompts: list[list[int]], sampling: list[Sampling],
@@ -132,7 +101,36 @@ def module_bytes(module: nn.Module) -> int:
     return sum(seen.values())
 
 
-class EagerEngine:
+class ForwardEngine:
+    """An engine over a forward function ([B, T] ids to [B, T, V] logits): next-token logits
+    from one forward, generation by recomputing the padded batch at every step. ``bytes`` is
+    what the runtime holds (an export's file size)."""
+
+    supports_generate = True
+
+    def __init__(self, forward: Forward, vocab_size: int, context_length: int, bytes_: int) -> None:
+        self.forward = forward
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.bytes = bytes_
+
+    def next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """[B, V] float32: the logits after each sequence's last token, from one forward."""
+        check_sequences(sequences, self.vocab_size, self.context_length)
+        with torch.inference_mode():
+            return last_logits(self.forward, sequences)
+
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
+        """The new tokens of each prompt, recomputing the padded batch at every step."""
+        with torch.inference_mode():
+            return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size)
+
+    def warm_up(self) -> None:
+        """One forward of a single token (a runtime's first call plans its kernels)."""
+        self.next_token_logits([[0]])
+
+
+class EagerEngine(ForwardEngine):
     """A PyTorch module run as is (eval mode, ``torch.inference_mode``).
 
     ``module`` maps [B, T] ids to [B, T, V] logits (or an object holding them) and must be
@@ -142,33 +140,18 @@ class EagerEngine:
     def __init__(self, module: nn.Module, vocab_size: int, context_length: int, *,
                  supports_generate: bool = True) -> None:
         self.module = module.eval()
-        self.vocab_size = vocab_size
-        self.context_length = context_length
+        self.device = device_of(module)
+        super().__init__(self._logits, vocab_size, context_length, module_bytes(module))
         self.supports_generate = supports_generate
-        self.bytes = module_bytes(module)
-        first = next(module.parameters(), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self._has_kv_cache = supports_kv_cache(module)
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+    def _logits(self, batch: torch.Tensor) -> torch.Tensor:
         """[B, T] ids (on any device) to [B, T, V] logits on the module's device."""
         return logits_of(self.module(batch.to(self.device)))
 
-    def next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        """[B, V] float32: the logits after each sequence's last token, from one forward."""
-        check_sequences(sequences, self.vocab_size, self.context_length)
-        with torch.inference_mode():
-            return last_logits(self.forward, sequences)
-
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
         """The new tokens of each prompt: with a KV cache when the module has one (the same
-        tokens, each step's cost independent of the prefix), else by recomputing the prefix
-        (``generate_by_recomputing``)."""
-        if supports_kv_cache(self.module):
-            check_prompts(prompts, sampling, self.vocab_size, self.context_length)
-            return generate_with_cache(self.module, prompts, sampling, self.context_length)
-        with torch.inference_mode():
-            return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size)
-
-    def warm_up(self) -> None:
-        """One forward of a single token."""
-        self.next_token_logits([[0]])
+        tokens, each step's cost independent of the prefix), else by recomputing the prefix."""
+        if self._has_kv_cache:
+            return generate_with_cache(self.module, prompts, sampling, self.context_length, self.vocab_size)
+        return super().generate(prompts, sampling)

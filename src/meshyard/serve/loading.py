@@ -103,7 +103,9 @@ def load_engine(source: ModelSource, runtime: str = "eager", device: str | torch
     if source.config is None:
         raise ModelSourceError(f"{source.path}: no run config is known, so the model cannot be built; {KINDS}")
     ref = _checkpoint_of(source.checkpoint or source.path)
-    module = _build(source, source.config, device)
+    module = build_served_model(source.config, source.vocab_size, source.path,
+                                "serve from where its model file can be found (the run's model.name is resolved "
+                                "from the current directory unless absolute)", device)
     _load_weights(module, model_state(ref), ref)
     return EagerEngine(module, source.vocab_size, source.context_length)
 
@@ -211,15 +213,16 @@ def vocab_from_shapes(shapes: dict[str, tuple[int, ...]]) -> int | None:
     return found[0] if found else None
 
 
-def _build(source: ModelSource, config: Config, device: str | torch.device) -> torch.nn.Module:
-    """The run's model, freshly built on ``device`` with the served vocabulary."""
+def build_served_model(config: Config, vocab_size: int, where: object, fix: str,
+                       device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The run's model, freshly built on ``device`` with the served vocabulary; a model that
+    cannot be built here is a ModelSourceError naming ``where`` it came from and the ``fix``."""
     try:
         with torch.device(device):
-            return build_model(config.model, source.vocab_size, config.data.seq_len)
+            return build_model(config.model, vocab_size, config.data.seq_len)
     except (PluginError, TypeError) as exc:
-        raise ModelSourceError(f"{source.path}: the run's model '{config.model.name}' cannot be built here "
-                               f"({exc}); serve from where its model file can be found (the run's model.name "
-                               "is resolved from the current directory unless absolute)") from None
+        raise ModelSourceError(f"{where}: the model '{config.model.name}' cannot be built here ({exc}); "
+                               f"{fix}") from None
 
 
 def _load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], ref: CheckpointRef) -> None:

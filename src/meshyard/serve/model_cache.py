@@ -51,12 +51,15 @@ def _key(source: ModelSource) -> Key:
 
 class ModelCache:
     """The loaded engines, by (name, version). ``budget_bytes`` 0 means no limit; ``clock``
-    (monotonic seconds) times idleness and loads."""
+    (monotonic seconds) times idleness and loads; ``on_evict(key)`` follows each eviction, so
+    that whatever else holds the engine (a batcher bound to it) lets go of it too."""
 
     def __init__(self, load: Callable[[ModelSource], Engine], *, budget_bytes: int, pinned: set[str],
                  executor: Executor, metrics: ServeMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_evict: Callable[[Key], None] | None = None) -> None:
         self._load_fn = load
+        self._on_evict = on_evict
         self.budget_bytes = budget_bytes
         self.pinned = set(pinned)
         self._executor = executor
@@ -102,9 +105,6 @@ class ModelCache:
     def total_bytes(self) -> int:
         """Bytes of the loaded models together."""
         return sum(entry.bytes for entry in self._loaded.values())
-
-    def is_pinned(self, source: ModelSource) -> bool:
-        return source.name in self.pinned
 
     async def _acquire(self, source: ModelSource) -> _Loaded:
         """The loaded entry of ``source``, marked in use; loads it once for all who wait."""
@@ -195,6 +195,8 @@ class ModelCache:
         entry = self._loaded.pop(key)
         self._metrics.model_evicted(*key)
         log.info("evicted %s version %s (%d bytes) to stay within the memory budget", *key, entry.bytes)
+        if self._on_evict is not None:
+            self._on_evict(key)
 
 
 def _retrieve(task: asyncio.Task) -> None:

@@ -17,12 +17,14 @@ import time
 from collections import OrderedDict
 from typing import Any, Protocol
 
+from meshyard.config.checks import CACHE_SCHEMES
+from meshyard.extras import require
+
 log = logging.getLogger(__name__)
 
 # Keys in a shared Redis are namespaced, so the cache can share a database with other data.
 REDIS_PREFIX = "meshyard:serve:"
 ACCEPTED = "'memory' (in-process LRU), 'off', or a Redis URL such as redis://127.0.0.1:6379/0"
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def cache_key(name: str, version: str, endpoint: str, payload: dict) -> str:
@@ -93,11 +95,7 @@ class RedisCache:
     ``retry_s`` seconds, so a dead Redis costs no time per request."""
 
     def __init__(self, url: str, ttl_s: float, *, timeout_s: float = 0.5, retry_s: float = 2.0) -> None:
-        try:
-            from redis import asyncio as redis_asyncio
-        except ImportError:
-            raise ValueError(f"serve.cache = '{url}' needs the 'redis' package, which is not installed; install "
-                             f"it with: pip install redis (or use serve.cache = 'memory')") from None
+        redis_asyncio = require("redis.asyncio", f"serve.cache = '{url}'")
         self.url = url
         self.ttl_s = ttl_s
         self.retry_s = retry_s
@@ -163,6 +161,6 @@ def open_cache(spec: str, entries: int, ttl_s: float) -> PredictionCache:
         return MemoryCache(entries)
     if spec == "off":
         return NoCache()
-    if spec.startswith(_REDIS_SCHEMES):
+    if spec.startswith(CACHE_SCHEMES):
         return RedisCache(spec, ttl_s)
     raise ValueError(f"serve.cache = '{spec}' is not a prediction cache; use {ACCEPTED}")

@@ -23,13 +23,9 @@ from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
 from meshyard.export import formats
 from meshyard.export.quantize import int8_entries, quantized_linears
-from meshyard.models.registry import build_model
-from meshyard.plugins import PluginError
-from meshyard.serve.engine import EagerEngine, Engine, Forward, check_sequences, generate_by_recomputing, \
-    last_logits, module_bytes
-from meshyard.serve.loading import ModelSource, ModelSourceError
+from meshyard.serve.engine import EagerEngine, Engine, ForwardEngine, module_bytes
+from meshyard.serve.loading import ModelSource, ModelSourceError, build_served_model
 from meshyard.serve.tokenizer import ByteTokenizer
-from meshyard.serve.types import Sampling
 
 RUNTIMES = ("eager", "torchscript", "onnxruntime")
 
@@ -90,40 +86,11 @@ def open_export(path: Path, fmt: str, config: Config | None, vocab_size: int, co
     raise ModelSourceError(f"{path}: unknown export format '{fmt}'; expected one of {', '.join(formats.FORMATS)}")
 
 
-class ForwardEngine:
-    """An engine over a forward function ([B, T] ids to [B, T, V] logits) of a runtime
-    other than eager PyTorch. ``bytes`` is the export file's size (what the runtime holds)."""
-
-    supports_generate = True
-
-    def __init__(self, forward: Forward, vocab_size: int, context_length: int, bytes_: int) -> None:
-        self.forward = forward
-        self.vocab_size = vocab_size
-        self.context_length = context_length
-        self.bytes = bytes_
-
-    def next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        """[B, V] float32: the logits after each sequence's last token, from one forward."""
-        check_sequences(sequences, self.vocab_size, self.context_length)
-        with torch.inference_mode():
-            return last_logits(self.forward, sequences)
-
-    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
-        """The new tokens of each prompt, recomputing the padded batch at every step."""
-        with torch.inference_mode():
-            return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size)
-
-    def warm_up(self) -> None:
-        """One forward of a single token (a runtime's first call plans its kernels)."""
-        self.next_token_logits([[0]])
-
-
 class TorchScriptEngine(ForwardEngine):
     """A TorchScript export (``torch.jit.load``) on the CPU."""
 
     def __init__(self, module: torch.jit.ScriptModule, vocab_size: int, context_length: int, bytes_: int) -> None:
         super().__init__(module, vocab_size, context_length, bytes_)
-        self.scripted = module
 
 
 class OnnxEngine(ForwardEngine):
@@ -131,7 +98,6 @@ class OnnxEngine(ForwardEngine):
 
     def __init__(self, session: Any, vocab_size: int, context_length: int, bytes_: int) -> None:
         super().__init__(formats.onnx_forward(session), vocab_size, context_length, bytes_)
-        self.session = session
 
 
 def _sidecar(path: str) -> dict[str, Any]:
@@ -158,12 +124,8 @@ def _build(config: Config | None, vocab_size: int, path: Path) -> nn.Module:
     if config is None:
         raise ModelSourceError(f"the sidecar of {path} records no config to build the model from; export the "
                                "model again with meshyard export")
-    try:
-        return build_model(config.model, vocab_size, config.data.seq_len)
-    except (PluginError, TypeError) as exc:
-        raise ModelSourceError(f"{path}: the exported model '{config.model.name}' cannot be built here ({exc}); "
-                               "serve it where its model file can be found, or export it to torchscript or "
-                               "onnx, which carry the model's code") from None
+    return build_served_model(config, vocab_size, path, "serve it where its model file can be found, or export "
+                              "it to torchscript or onnx, which carry the model's code")
 
 
 def _int8_bytes(module: nn.Module) -> int:
