@@ -25,6 +25,8 @@ from typing import Callable
 
 import pytest
 
+from tests.launch.sockets import alive
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "redis_server.sh"
 
 
@@ -59,16 +61,8 @@ def _stop(pid: int, timeout_s: float = 10.0) -> None:
     except ProcessLookupError:
         return
     stop_at = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < stop_at:
+    while alive(pid) and time.monotonic() < stop_at:
         time.sleep(0.02)
-    if _alive(pid):
+    if alive(pid):
         os.kill(pid, signal.SIGKILL)
 
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a daemon that exited but was not reaped yet counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
