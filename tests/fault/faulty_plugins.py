@@ -65,4 +65,6 @@ class SlowTokens(Dataset):
 
 
 def slow_dataset(split: str, seq_len: int) -> Dataset:
-    return SlowTokens(4096 if split == "train" else 64, seq_len, delay_s=0.004)
+    # 4 samples per rank and step: 60 ms of waiting, several times a tiny step's compute
+    # even when a loaded machine slows the compute down.
+    return SlowTokens(4096 if split == "train" else 64, seq_len, delay_s=0.015)

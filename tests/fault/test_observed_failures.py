@@ -30,12 +30,15 @@ def test_slow_data_loader_is_diagnosed_data_bound(tmp_path):
     cfg = tiny_config(tmp_path, f"--data.source={PLUGIN}:slow_dataset", "--train.steps=12", "--data.seq_len=16")
     result = meshyard.run(cfg, nproc=2)
     diagnosis = diagnose(result.run_dir)
-    assert diagnosis.verdict == "data-bound", diagnosis.to_dict()
-    assert any("data.num_workers" in advice for advice in diagnosis.findings[0].advice)
+    # Found, whatever else a loaded machine adds to it (a rank slowed for a window can
+    # also be named a straggler, which the diagnosis ranks first).
+    data_bound = [finding for finding in diagnosis.findings if finding.verdict == "data-bound"]
+    assert data_bound, diagnosis.to_dict()
+    assert any("data.num_workers" in advice for advice in data_bound[0].advice)
 
 
 def test_sleeping_rank_is_named_straggler(tmp_path):
-    cfg = tiny_config(tmp_path, f"--model.name={PLUGIN}:build_model", "--model.options={ rank = 1, sleep_s = 0.06 }",
+    cfg = tiny_config(tmp_path, f"--model.name={PLUGIN}:build_model", "--model.options={ rank = 1, sleep_s = 0.15 }",
                       "--train.steps=12", "--metrics.gather_every=3")
     result = meshyard.run(cfg, nproc=2)
     records = result.metrics()

@@ -172,16 +172,18 @@ def test_elastic_job_goes_on_without_a_lost_host(netns_hosts, tmp_path, referenc
 def test_elastic_job_takes_in_a_host_that_joins(netns_hosts, tmp_path):
     steps = 60
     job = Job(netns_hosts, tmp_path / "join", "1:2", "--fault.max_restarts=1", f"--train.steps={steps}",
-              "--data.source=tests/launch/slow_dataset.py:build")
+              "--data.source=tests/launch/slow_dataset.py:build_until_joined")
     job.start(0)
-    job.wait_for_step(3)  # training on one host
+    # Training on one host, slowly until the other host's workers are in; past the first
+    # checkpoint, which the grown job resumes from.
+    job.wait_for_step(INTERVAL + 1)
     job.start(1)
     _finished(job)
     facts = json.loads((job.run_dir / "run.json").read_text())
     assert facts["world_size"] == 4 and {host.split()[-1] for host in facts["hosts"]} == {
         f"({netns_hosts.address(0)})", f"({netns_hosts.address(1)})"}
     restarts = job.restarts()
-    assert len(restarts) == 1 and 3 <= restarts[0]["resumed_step"] < steps
+    assert len(restarts) == 1 and INTERVAL <= restarts[0]["resumed_step"] < steps
     assert [r["step"] for r in read_metrics(job.run_dir)] == list(range(1, steps + 1))
     _assert_each_sample_once(job, steps)
 

@@ -57,7 +57,9 @@ def test_a_batched_prefill_and_a_chunk_at_an_offset(model):
     first = model(tokens[:, :6], cache=cache)  # every slot from position 0: the causal path
     rest = model(tokens[:, 6:], cache=cache, slots=[0, 1], positions=[6, 6])  # four tokens at once
     full = model(tokens)
-    assert torch.equal(first, full[:, :6])
+    # Six tokens against ten: the CPU may pick other kernels for the two shapes, so the
+    # same maths agrees to rounding, not bit for bit.
+    assert_close(first, full[:, :6])
     assert_close(rest, full[:, 6:])
 
 

@@ -252,7 +252,7 @@ def _forward_backward(name: str, mesh=None, loss_parallel: bool = False) -> dict
 
     from meshyard.parallel.tensor_parallel import apply_tp
     from meshyard.models.outputs import logits_of
-    from meshyard.train.step import next_token_loss
+    from meshyard.train.loss import next_token_loss
 
     torch.manual_seed(0)
     model = BUILDERS[name](64, 16, n_layer=2)

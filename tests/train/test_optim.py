@@ -7,7 +7,8 @@ import torch
 
 from meshyard.config.load import load_config
 from meshyard.models.gpt import GPT, GPTShape
-from meshyard.train.optim import build_optimizer, build_scheduler, lr_multiplier, parameter_groups, scaled_peak_lr
+from meshyard.train.optim import (build_optimizer, build_scheduler, lr_multiplier, parameter_groups, scaled_peak_lr,
+                                  step_implementation)
 
 
 def test_warmup_then_cosine_to_floor():
@@ -57,3 +58,26 @@ def test_sgd():
     cfg = load_config(None, ["--optim.name=sgd", "--optim.momentum=0.5"]).optim
     opt = build_optimizer(torch.nn.Linear(2, 2), cfg, peak_lr=0.1)
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.5
+
+
+def test_the_step_is_fused_on_accelerators_and_pytorchs_default_on_cpu():
+    class OnDevice(torch.Tensor):
+        """A parameter that reports another device type (no accelerator here)."""
+
+        device_type = "cuda"
+
+        @property
+        def device(self):
+            return torch.device(self.device_type)
+
+    def on(device_type: str, dtype: torch.dtype = torch.float32):
+        param = torch.zeros(2, dtype=dtype).as_subclass(OnDevice)
+        param.device_type = device_type
+        return param
+
+    assert step_implementation([on("cuda"), on("cuda", torch.bfloat16)]) == "fused"
+    assert step_implementation([on("cuda"), on("cuda", torch.int64)]) == "foreach"  # fused needs floats
+    assert step_implementation([on("cuda"), on("cpu")]) == "for-loop"
+    for name in ("adamw", "sgd"):
+        cpu_optimizer = build_optimizer(torch.nn.Linear(2, 2), load_config(None, [f"--optim.name={name}"]).optim, 0.1)
+        assert not cpu_optimizer.defaults["fused"] and cpu_optimizer.defaults["foreach"] is None

@@ -121,7 +121,7 @@ def measure_step_bytes(cfg: Config, world_size: int) -> dict[str, Any]:
     from meshyard.models.registry import build_model
     from meshyard.plugins import is_custom_reference
     from meshyard.models.outputs import logits_of
-    from meshyard.train.step import next_token_loss
+    from meshyard.train.loss import next_token_loss
 
     if dist.is_initialized():
         return {}  # inside a job already: a private one-rank group cannot be made here

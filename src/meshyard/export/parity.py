@@ -22,7 +22,7 @@ from meshyard.config.sections import DataConfig
 from meshyard.data.loader import custom_datasets, split_corpus
 from meshyard.data.sampling import eval_indices
 from meshyard.plugins import is_custom_reference
-from meshyard.train.step import next_token_loss
+from meshyard.train.loss import next_token_loss
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from meshyard.run_dir import run_id_of
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
 from meshyard.runtime.hosts import gather_host_labels
-from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr
+from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr, step_implementation
 from meshyard.train.pipeline_step import PipelineStep
 from meshyard.train.precision import build_precision, resolve_dtype
 from meshyard.train.state import DataPosition, ScalerState, SchedulerState, TrainProgress
@@ -227,6 +227,8 @@ def run_facts(cfg: Config, runtime: Runtime, placement: Placement, data: DataBun
         **placement.layout.facts(),
         "global_batch": batch.global_batch, "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum,
         "dtype": str(dtype).removeprefix("torch."), "peak_lr": scaled_peak_lr(cfg.optim, batch.global_batch),
+        "optimizer_step": step_implementation([p for group in optimization.optimizer.param_groups
+                                               for p in group["params"]]),
         "data": data.description, "train_samples": data.train_samples,
         "local_world_size": _local_world_size(runtime),
     }

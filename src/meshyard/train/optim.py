@@ -47,14 +47,33 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+FUSED_DEVICE_TYPES = frozenset({"cuda", "xpu"})
+"""Devices where the optimizer step is fused (one kernel for every parameter). Elsewhere
+PyTorch's default stands: on CPU a loop over the parameters, which keeps CPU runs'
+numbers as they were."""
+
+
+def step_implementation(parameters: list[nn.Parameter]) -> str:
+    """'fused' when every parameter is a floating-point tensor (plain or DTensor: FSDP's
+    shards, TP's pieces) on a device of ``FUSED_DEVICE_TYPES``; otherwise 'foreach' where
+    PyTorch defaults to it (every parameter on an accelerator) and 'for-loop' on CPU."""
+    on_accelerators = bool(parameters) and all(p.device.type in FUSED_DEVICE_TYPES for p in parameters)
+    if on_accelerators and all(p.is_floating_point() for p in parameters):
+        return "fused"
+    return "foreach" if on_accelerators else "for-loop"
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, peak_lr: float, shard_group: torch.distributed.ProcessGroup | None = None
 ) -> torch.optim.Optimizer:
-    """The configured optimizer; with ``shard_group`` its state is sharded over it (ZeRO-1)."""
+    """The configured optimizer, fused where ``step_implementation`` says so; with
+    ``shard_group`` its state is sharded over it (ZeRO-1)."""
+    fused = step_implementation([p for p in model.parameters() if p.requires_grad]) == "fused"
+    speed = {"fused": True} if fused else {}
     if cfg.name == "adamw":
-        cls, kwargs = torch.optim.AdamW, {"betas": tuple(cfg.betas), "eps": cfg.eps}
+        cls, kwargs = torch.optim.AdamW, {"betas": tuple(cfg.betas), "eps": cfg.eps, **speed}
     else:
-        cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
+        cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum, **speed}
     groups = parameter_groups(model, cfg.weight_decay)
     if shard_group is None:
         return cls(groups, lr=peak_lr, **kwargs)

@@ -36,7 +36,8 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads
 from meshyard.train.precision import Precision
-from meshyard.train.step import Batch, next_token_loss
+from meshyard.train.loss import next_token_loss
+from meshyard.train.step import Batch
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,

@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
@@ -21,14 +20,10 @@ from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_con
 from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.models.outputs import logits_of
 from meshyard.parallel.data_parallel import set_gradient_sync
+from meshyard.train.loss import next_token_loss
 from meshyard.train.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

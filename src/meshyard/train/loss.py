@@ -1,0 +1,76 @@
+"""The training loss: next-token cross-entropy with fp32 arithmetic, without an fp32 copy
+of the whole logits tensor.
+
+Logits in bf16 or fp16 (a model under autocast) are the largest tensor of a language
+model's step: 16 x 1024 x 50304 values are 1.6 GB in bf16 and would be 3.3 GB more as an
+fp32 copy, plus an fp32 gradient of the same size. ``ChunkedCrossEntropy`` reads the
+logits a block of rows at a time, in fp32, for the log-sum-exp in the forward and for the
+softmax gradient in the backward; it keeps only one row's log-sum-exp (4 bytes) per token
+between them. fp32 logits (the CPU default) take PyTorch's own cross-entropy unchanged,
+and vocabulary-split logits under tensor parallelism take it too, inside loss_parallel().
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+IGNORE_INDEX = -100
+"""Targets with this value count for nothing, as in ``F.cross_entropy``."""
+
+CHUNK_ELEMENTS = 1 << 25
+"""Logit values per block: 128 MB in fp32, whatever the vocabulary."""
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all positions (those whose target is not ``IGNORE_INDEX``),
+    computed in fp32 whatever the dtype of ``logits``."""
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if isinstance(logits, DTensor) or logits.dtype in (torch.float32, torch.float64):
+        return F.cross_entropy(flat_logits.float() if isinstance(logits, DTensor) else flat_logits, flat_targets,
+                               ignore_index=IGNORE_INDEX)
+    return chunked_cross_entropy(flat_logits, flat_targets)
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                          rows_per_chunk: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of 2-D ``logits`` (rows, vocabulary) against 1-D ``targets``, in
+    fp32 arithmetic, ``rows_per_chunk`` rows at a time (by default ``CHUNK_ELEMENTS`` values);
+    the result is fp32 and its gradient has the logits' dtype."""
+    rows = rows_per_chunk or max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    with torch.autocast(logits.device.type, enabled=False):  # fp32 by choice, not autocast's
+        return ChunkedCrossEntropy.apply(logits, targets, rows)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy whose forward saves the logits as they are (no fp32 copy) and one
+    log-sum-exp per row; the backward recomputes the softmax block by block."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int) -> torch.Tensor:
+        counted = targets != IGNORE_INDEX
+        safe_targets = torch.where(counted, targets, torch.zeros_like(targets))
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], rows_per_chunk):
+            block = slice(start, start + rows_per_chunk)
+            lse[block] = torch.logsumexp(logits[block].float(), dim=-1)
+        target_logits = logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1).float()
+        count = counted.sum().float()  # a tensor: no host synchronisation; 0 gives NaN, as PyTorch's
+        ctx.save_for_backward(logits, safe_targets, counted, lse, count)
+        ctx.rows_per_chunk = rows_per_chunk
+        return ((lse - target_logits) * counted).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets, counted, lse, count = ctx.saved_tensors
+        rows_per_chunk = ctx.rows_per_chunk
+        grad_logits = torch.empty_like(logits)
+        # d loss / d logit = (softmax - one_hot(target)) * grad / count, zero on ignored rows.
+        row_scale = counted.float() * (grad_loss.float() / count)
+        for start in range(0, logits.shape[0], rows_per_chunk):
+            block = slice(start, start + rows_per_chunk)
+            grad = torch.exp(logits[block].float() - lse[block].unsqueeze(1))
+            grad.scatter_add_(1, targets[block].unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
+            grad_logits[block] = (grad * row_scale[block].unsqueeze(1)).to(logits.dtype)
+        return grad_logits, None, None
