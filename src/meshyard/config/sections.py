@@ -74,6 +74,11 @@ class TrainConfig:
     eval_batches: int = option(4, "Micro-batches per rank in each evaluation.")
     seed: int = option(1234, "Seed for model initialisation, data order and dropout.")
     deterministic: bool = option(False, "Use deterministic kernels only (slower, bit-reproducible).")
+    compile: Literal["auto", True, False] = option(
+        "auto", "torch.compile the model: the model and its loss as one region on one rank without model "
+        "parallelism, each transformer block under DDP, FSDP, TP and PP. 'auto' compiles on CUDA and not on CPU "
+        "(a first compile costs tens of seconds) and trains a model that does not compile eagerly, with one "
+        "warning; true compiles everywhere and stops at the first step if the model does not compile.")
 
 
 @dataclass

@@ -22,6 +22,7 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         # Non-reentrant: works with keyword arguments, DTensors and inputs without grad.
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    run.recomputes_activations = True  # type: ignore[attr-defined]  # read by checkpointed_blocks
     return run
 
 
@@ -43,7 +44,8 @@ def apply_ac(model: nn.Module, mode: str, every: int = 2, unit_names: Sequence[s
 
 def checkpointed_blocks(model: nn.Module, unit_names: Sequence[str] = ()) -> int:
     """How many blocks of ``model`` recompute their activations (for reports and tests)."""
-    return sum(1 for block in find_blocks(model, unit_names) if "forward" in vars(block))
+    return sum(1 for block in find_blocks(model, unit_names)
+               if getattr(vars(block).get("forward"), "recomputes_activations", False))
 
 
 __all__ = ["apply_ac", "checkpointed_blocks"]

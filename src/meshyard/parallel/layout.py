@@ -98,6 +98,13 @@ class Layout:
         return self.cfg.strategy == "fsdp" or self.dims.pp > 1
 
     @property
+    def compiles_whole(self) -> bool:
+        """Whether ``train.compile`` takes the model and its loss as one region: a whole
+        model on this rank with nothing around it (no DDP or FSDP wrapper, no tensor or
+        pipeline split). Otherwise each block compiles (``parallel.compile``)."""
+        return self.data_parallel == "none" and self.dims.tp == 1 and not self.pipelined
+
+    @property
     def pipelined(self) -> bool:
         """A pipeline schedule drives the step (``train.pipeline_step.PipelineStep``)."""
         return self.dims.pp > 1

@@ -12,6 +12,7 @@ from meshyard.comm.hooks import GradientCompression
 from meshyard.comm.registry import attach_compression
 from meshyard.config.sections import CommConfig
 from meshyard.parallel.activation_checkpoint import apply_ac
+from meshyard.parallel.compile import Compilation, apply_compile
 from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.pipeline import split_model
@@ -32,6 +33,8 @@ class Parallelized(NamedTuple):
     model: nn.Module
     compression: GradientCompression
     layout: Layout
+    compilation: Compilation = Compilation()
+    """What ``parallelize`` compiled (nothing unless it was given a ``compilation``)."""
 
 
 def parallelize(
@@ -44,13 +47,15 @@ def parallelize(
     hook_wrapper: Callable[[Callable], Callable] | None = None,
     log: Callable[[str], None] | None = None,
     example_tokens: torch.Tensor | None = None,
+    compilation: Compilation | None = None,
 ) -> Parallelized:
     """Apply ``layout`` to ``model`` (already on its device, or on the meta device).
 
     Order: pipeline split (each rank keeps its stages; every stage then goes through the
     rest as a model of its own, with ``layout.stage_layout()``), tensor parallel
     (parameters become DTensors on the ``tp`` mesh), activation checkpointing (wraps
-    block forwards, so it sees the TP modules), then data parallelism, outermost,
+    block forwards, so it sees the TP modules), compilation of each block when
+    ``compilation`` is given (it records what it compiled), then data parallelism, outermost,
     because DDP and FSDP must see the final module structure (FSDP over TP DTensors gives
     2-D FSDP x TP); the gradient-compression hook goes on the DDP module last. Returns
     the module to train (``unwrap`` recovers the plain module from it; under pipelining a
@@ -68,15 +73,17 @@ def parallelize(
                                 cfg.pp_split, units, example_tokens, torch.device(mesh.device_type))
         stage_layout = layout.stage_layout()
         pipelined.wrap_stages(lambda stage: _parallelize_whole(stage, stage_layout, mesh, compute_dtype,
-                                                               reduce_fp32, units, log))
-        return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper), layout)
-    model = _parallelize_whole(model, layout, mesh, compute_dtype, reduce_fp32, units, log)
-    return Parallelized(model, attach_compression(model, comm, hook_wrapper), layout)
+                                                               reduce_fp32, units, log, compilation))
+        return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper), layout,
+                            compilation or Compilation())
+    model = _parallelize_whole(model, layout, mesh, compute_dtype, reduce_fp32, units, log, compilation)
+    return Parallelized(model, attach_compression(model, comm, hook_wrapper), layout, compilation or Compilation())
 
 
 def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compute_dtype: torch.dtype,
                        reduce_fp32: bool, units: tuple[str, ...] = (),
-                       log: Callable[[str], None] | None = None) -> nn.Module:
+                       log: Callable[[str], None] | None = None,
+                       compilation: Compilation | None = None) -> nn.Module:
     """TP, activation checkpointing, then FSDP or DDP, on a model without pipeline stages;
     ``units`` are the classes of the blocks checkpointed and sharded one by one."""
     cfg, dims = layout.effective_cfg, layout.dims
@@ -84,6 +91,8 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
         model = apply_tp(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=layout.loss_parallel,
                          plan=cfg.tp_plan, log=log)
     model = apply_ac(model, cfg.ac, cfg.ac_every, units)
+    if compilation is not None:
+        model = apply_compile(model, compilation, units)
     if layout.data_parallel == "fsdp":
         # HSDP: replicate over dp_replicate and shard over dp_shard in one 2-D mesh.
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]

@@ -43,6 +43,7 @@ from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
 from meshyard.metrics.setup import build_exporters, build_meter, build_timer
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
+from meshyard.parallel.compile import Compilation, resolve_compile
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.materialize import build_model_deferred, materialize
 from meshyard.parallel.parallelize import Parallelized, parallelize
@@ -135,8 +136,11 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
                               build_exporters(cfg.metrics, run_dir) if runtime.is_main else []),
                         meter, checkpointer, preemption or NullWatcher(), observers.watchdog)
-    trainer = Trainer(parallelized, build_step_runner(parallelized, placement.mesh, optimization, runtime.device,
-                                                      observers.timer),
+    compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
+    runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
+                               Compilation(cfg.train.compile) if compile_whole else None)
+    facts["compiled"] = runner.compilation.describe() or "nothing"
+    trainer = Trainer(parallelized, runner,
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
                       progress, on_nonfinite=cfg.fault.on_nonfinite, facts=facts)
     return trainer
@@ -179,10 +183,12 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
                                               observers.report)
     n_params = sum(p.numel() for p in model.parameters())  # meta parameters count too
     timer = observers.timer
+    compile_blocks = resolve_compile(cfg.train.compile, runtime.device) and not layout.compiles_whole
     parallelized = parallelize(model, layout, placement.mesh, dtype, cfg.precision.reduce_fp32, cfg.comm,
                                hook_wrapper=timer.comm.wrap if timer.comm else None, log=observers.logger.info,
                                example_tokens=example_micro_batch(placement.batch.micro_batch, layout.microbatches,
-                                                                  cfg.data.seq_len))
+                                                                  cfg.data.seq_len),
+                               compilation=Compilation(cfg.train.compile) if compile_blocks else None)
     model_init = "meta" if init_record is not None else "device"
     if init_record is not None:
         materialize(parallelized.model, init_record)  # this rank's shards and stages, valued as in a full build
@@ -207,15 +213,20 @@ def build_optimization(cfg: Config, parallelized: Parallelized, placement: Place
 
 
 def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization: Optimization,
-                      device: torch.device, timer: Any) -> StepRunner:
+                      device: torch.device, observers: Observers,
+                      whole_model_compile: Compilation | None = None) -> StepRunner:
     """A pipeline schedule for a pipelined layout, micro-batches one after another through
-    the whole (possibly sharded) model otherwise."""
+    the whole (possibly sharded) model otherwise. ``whole_model_compile``: where the model
+    and its loss compile as one region (``Layout.compiles_whole``), the runner compiles
+    them into it; otherwise it runs the blocks ``parallelize`` compiled, if any."""
     layout, model, precision = parallelized.layout, parallelized.model, optimization.precision
     if not layout.pipelined:
-        return MicroBatchStep(model, precision, device, timer, loss_parallel=layout.loss_parallel)
+        return MicroBatchStep(model, precision, device, observers.timer, loss_parallel=layout.loss_parallel,
+                              compilation=whole_model_compile or parallelized.compilation,
+                              compile_whole=whole_model_compile is not None, report=observers.report)
     tied_group = tied_weight_group(mesh) if model.tied else None
     return PipelineStep(model, mesh["pp"].get_group(), layout.cfg.pp_schedule, layout.microbatches, precision,
-                        device, tied_group)
+                        device, tied_group, parallelized.compilation)
 
 
 def run_facts(cfg: Config, runtime: Runtime, placement: Placement, data: DataBundle, dtype: torch.dtype,

@@ -34,9 +34,10 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleI
                                           ScheduleInterleavedZeroBubble)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from meshyard.parallel.compile import Compilation, compiled_graphs
 from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads
-from meshyard.train.precision import Precision
 from meshyard.train.loss import next_token_loss
+from meshyard.train.precision import Precision
 from meshyard.train.step import Batch
 
 SCHEDULES: dict[str, type] = {
@@ -117,8 +118,12 @@ class PipelineStep:
     """Step runner for pipelined models (``meshyard.train.step.StepRunner``)."""
 
     def __init__(self, model: PipelinedModel, pp_group: dist.ProcessGroup, schedule: str, microbatches: int,
-                 precision: Precision, device: torch.device, tied_group: dist.ProcessGroup | None = None) -> None:
+                 precision: Precision, device: torch.device, tied_group: dist.ProcessGroup | None = None,
+                 compilation: Compilation | None = None) -> None:
         self.model = model
+        # Blocks compiled per stage. A stage cannot fall back to eager alone (the others are
+        # in the schedule with it), so a compile failure stops the run whatever train.compile says.
+        self.compilation = compilation or Compilation()
         self.precision = precision
         self.device = device
         self.microbatches = microbatches
@@ -228,4 +233,6 @@ class PipelineStep:
     def take_step_stats(self) -> dict[str, float]:
         """This rank's pipeline figures of the last step (measured idle share vs theory)."""
         stats, self._stats = self._stats, {}
+        if self.compilation.enabled:
+            stats["compiled_graphs"] = compiled_graphs()
         return stats

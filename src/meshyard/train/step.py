@@ -9,7 +9,7 @@ them (clipping, optimizer, schedule, records, checkpoints) is the Trainer's.
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,13 +17,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
+from meshyard.fault.failure import first_line
 from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.models.outputs import logits_of
+from meshyard.parallel.compile import Compilation, compile_errors, compiled_graphs
 from meshyard.parallel.data_parallel import set_gradient_sync
 from meshyard.train.loss import next_token_loss
 from meshyard.train.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class CompileFailed(RuntimeError):
+    """``train.compile = true`` and the model does not compile."""
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -45,6 +51,8 @@ class StepRunner(Protocol):
     grad_norm_skip: list[nn.Parameter]
     """Parameters whose gradient another rank already counts in the norm (a tied weight's
     second copy on another pipeline stage)."""
+    compilation: Compilation
+    """What runs compiled (empty when nothing does)."""
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulate gradients of the mean loss over ``micro_batches``; return that loss."""
@@ -72,7 +80,9 @@ class MicroBatchStep:
     grad_norm_group = None
 
     def __init__(self, model: nn.Module, precision: Precision, device: torch.device,
-                 timer: StepTimer | NullStepTimer | None = None, loss_parallel: bool = False) -> None:
+                 timer: StepTimer | NullStepTimer | None = None, loss_parallel: bool = False,
+                 compilation: Compilation | None = None, compile_whole: bool = False,
+                 report: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.precision = precision
         self.device = device
@@ -81,8 +91,43 @@ class MicroBatchStep:
         # (and its backward) then run under loss_parallel(), which reduces across ranks.
         self.loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
         self.grad_norm_skip: list[nn.Parameter] = []
+        # What was compiled (blocks by parallelize, or here the model and its loss as one
+        # region); the first step learns whether it compiles at all.
+        self.compilation = compilation or Compilation()
+        self._forward_loss = self._eager_forward_loss
+        if compile_whole:
+            self._forward_loss = self.compilation.compile_function(self._eager_forward_loss, "the model and its loss")
+        self._report = report or (lambda message: None)
+        self._compile_checked = not self.compilation.enabled
+
+    def _eager_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(logits_of(self.model(inputs)), targets)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        if self._compile_checked:
+            return self._forward_backward(micro_batches)
+        self._compile_checked = True
+        try:
+            return self._forward_backward(micro_batches)
+        except compile_errors() as exc:
+            self._fall_back_to_eager(exc)
+            return self._forward_backward(micro_batches)
+
+    def _fall_back_to_eager(self, exc: BaseException) -> None:
+        """A model that does not compile: with ``train.compile = true`` the run stops with
+        one paragraph; with 'auto' it trains eagerly after one warning line."""
+        what = self.compilation.describe()
+        reason = first_line(str(exc))
+        if self.compilation.requested is True:
+            raise CompileFailed(
+                f"train.compile = true, but torch.compile could not compile {what}: {reason}. Set "
+                "train.compile = false to train this model eagerly (or 'auto', which falls back to eager "
+                "with a warning); the full error is in this rank's log") from exc
+        self.compilation.revert()
+        self.model.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
+        self._report(f"train.compile: {what} could not be compiled ({reason}); training eagerly")
+
+    def _forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         accum = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, targets) in enumerate(micro_batches):
@@ -90,18 +135,19 @@ class MicroBatchStep:
             # accumulate locally, which is what makes accumulation cheap.
             set_gradient_sync(self.model, index == accum - 1)
             with self.timer.phase("forward"), self.precision.autocast(), self.loss_context():
-                loss = next_token_loss(logits_of(self.model(inputs)), targets)
+                loss = self._forward_loss(inputs, targets)
             with self.timer.backward(), self.loss_context():
                 self.precision.scaler.scale(loss / accum).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / accum
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Eager: evaluation runs without gradients, which a compiled region would compile anew.
         with self.precision.autocast(), self.loss_context():
-            return _local(next_token_loss(logits_of(self.model(inputs)), targets))
+            return _local(self._eager_forward_loss(inputs, targets))
 
     def take_step_stats(self) -> dict[str, float]:
-        return {}
+        return {"compiled_graphs": compiled_graphs()} if self.compilation.enabled else {}
 
     def phase_split(self) -> dict[str, float]:
         return {}  # forward and backward were timed as they ran
