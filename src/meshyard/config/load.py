@@ -109,7 +109,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        return "one of " + ", ".join(str(a).lower() if isinstance(a, bool) else repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
