@@ -77,6 +77,10 @@ class Checkpointer:
     def poll(self) -> None:
         self.manager.poll()
 
+    def wait_staged(self) -> None:
+        """Until an async save has copied the state (before the optimizer changes it)."""
+        self.manager.wait_staged()
+
     def wait(self) -> None:
         self.manager.wait()
 

@@ -35,6 +35,8 @@ from typing import Any, Callable, Collection
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from meshyard.checkpoint.digests import DCP_METADATA, collect_records, digest_files, remove_records
 from meshyard.checkpoint.manifest import MANIFEST, build_manifest, owner, verify
@@ -104,11 +106,13 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, store: CheckpointStore, rank: int,
                  report: Callable[[str], None] = print, facts: dict[str, Any] | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, pinned_staging: bool = False) -> None:
         """``facts`` (world size, layout, config and its hash) go into every manifest.
         ``run_id`` (the same on every rank) marks this run's checkpoints; keep it across
         restarts of the run, or its older checkpoints count as another run's. Without
-        one, every rank takes rank 0's new id (a collective: every rank constructs)."""
+        one, every rank takes rank 0's new id (a collective: every rank constructs).
+        ``pinned_staging``: async saves copy GPU tensors into pinned host buffers with
+        non-blocking copies (needs CUDA)."""
         self.cfg = cfg
         self.facts = dict(facts or {})
         self.store = store
@@ -123,6 +127,13 @@ class CheckpointManager:
         # gloo group they cannot interleave with the training step's collectives.
         self._group = dist.new_group(backend="gloo") if cfg.async_save else None
         self._background = ThreadPoolExecutor(1, "meshyard-checkpoint") if cfg.async_save else None
+        # Async saves stage (copy the state off the device) on DCP's stager thread while the
+        # next step's forward and backward run; its host buffers are kept from one save to
+        # the next. The trainer waits for the copy before the optimizer changes the state.
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=pinned_staging, use_shared_memory=False, use_async_staging=True,
+            use_non_blocking_copy=pinned_staging)) if cfg.async_save else None
+        self._staging: Future | None = None
         rank0_decides(self._prepare_root)  # a failure there is raised on every rank, none left waiting
         # Before any save or load: ranks on nodes without a common folder are refused now,
         # not at the first commit.
@@ -171,7 +182,12 @@ class CheckpointManager:
             if blocking or not self.cfg.async_save:
                 dcp.save(tensor_state, storage_writer=writer)
             else:
-                written = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group)
+                response = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group,
+                                          async_stager=self._stager)
+                if isinstance(response, AsyncSaveResponse):
+                    self._staging, written = response.staging_completion, response.upload_completion
+                else:  # staged before async_save returned
+                    written = response
                 assert self._background is not None
                 pending.future = self._background.submit(self._commit_when_written, written, pending)
         except (Exception, CheckpointException) as exc:  # storage errors of synchronous saves
@@ -181,10 +197,22 @@ class CheckpointManager:
         if pending.future is None:
             self._complete()
 
+    def wait_staged(self) -> None:
+        """Block until the in-flight save has its copy of the state (call before anything
+        changes the state: the optimizer step). A staging failure is reported with the save."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            try:
+                staging.result()
+            except (Exception, CheckpointException):
+                pass  # the write fails with it and _complete reports that
+
     def close(self) -> None:
         """Let the background writer's thread go once its work is done (it is not waited for)."""
         if self._background is not None:
             self._background.shutdown(wait=False)
+        if self._stager is not None:
+            self._stager.close()
 
     def _staging_name(self, name: str) -> str:
         """Local saves are staged under a name of this run's (runs sharing the folder
@@ -233,6 +261,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is written and committed."""
+        self.wait_staged()
         if self._pending is not None:
             if self._pending.future is not None:
                 try:
@@ -356,6 +385,9 @@ class NullCheckpointManager:
         pass
 
     def poll(self) -> None:
+        pass
+
+    def wait_staged(self) -> None:
         pass
 
     def wait(self) -> None:

@@ -271,7 +271,8 @@ def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelize
                                                   "global_batch", "micro_batch")}
     manifest_facts.update(config_hash=config_hash(cfg), config=config_to_toml(cfg))
     store = CheckpointStore(checkpoint_root(cfg.checkpoint, run_dir), cfg.checkpoint.storage_options)
-    manager = CheckpointManager(cfg.checkpoint, store, runtime.rank, report, manifest_facts, run_id)
+    manager = CheckpointManager(cfg.checkpoint, store, runtime.rank, report, manifest_facts, run_id,
+                                pinned_staging=runtime.device.type == "cuda")
     return Checkpointer(manager, state, runtime.rank, cfg.checkpoint)
 
 

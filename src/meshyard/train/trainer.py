@@ -220,6 +220,7 @@ class Trainer:
         # A pipeline runner names the group its stages span and any parameter counted twice.
         grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip, self.runner.grad_norm_group,
                                    self.runner.grad_norm_skip)
+        self.checkpoints.wait_staged()  # an async save's copy of the weights is taken before they change
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,314 @@
+"""meshyard's single-device training step against the plain PyTorch loop a user would write.
+
+One process, one device: a nanoGPT-style loop written here by hand (its own model classes,
+AdamW fused on CUDA, bf16 autocast on CUDA, torch.compile of the model, clipping at 1.0,
+``loss.item()`` each step, random batches already on the device) and ``meshyard.run`` of a
+GPT of the same shape (random data, no parallelism, ``train.compile`` as --compile). They
+alternate for --rounds rounds, taking turns to go first, so drift on the machine hits both.
+
+Both are timed in wall time over the steady steps, after --warmup steps (which include
+compilation): the plain loop with perf_counter and a device synchronize, meshyard from its
+records' ``time`` field. The figure is meshyard tokens/s / plain tokens/s, the median of the
+per-round ratios; MFU uses meshyard's FLOPs per token and the datasheet peak (CUDA) or a
+measured fp32 matmul peak (CPU). On CUDA the result is written to
+benchmarks/results/gpu-<date>.json; on CPU only with --out.
+
+    python benchmarks/gpu_step.py [--rounds 3] [--steps 30] [--warmup 10] [--no-compile]
+        [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshyard
+from meshyard.config.load import load_config
+from meshyard.metrics.throughput import catalog_peak, measured_cpu_peak, training_flops_per_token
+from meshyard.models.gpt import GPT as MeshyardGPT
+from meshyard.models.gpt import GPT_PRESETS, GPTShape
+
+# Defaults per device: GPT-2 small at its real size on a GPU, a toy that a 2-core CPU runs
+# in seconds elsewhere.
+DEFAULTS = {
+    "cuda": {"model": "gpt2-124m", "seq_len": 1024, "batch": 16, "vocab": 50304, "steps": 30, "warmup": 10},
+    "cpu": {"model": "gpt-mini", "seq_len": 64, "batch": 8, "vocab": 256, "steps": 30, "warmup": 5},
+}
+SEED = 1234
+
+
+# --- the plain loop's model, nanoGPT style ------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU, as meshyard's GPT computes it
+        self.c_proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d_model), CausalSelfAttention(d_model, n_head)
+        self.ln_2, self.mlp = nn.LayerNorm(d_model), MLP(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
+        self.h = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # As in nanoGPT the loss is computed inside forward, so torch.compile of the model
+        # covers it (without that, F.cross_entropy of bf16 logits makes an fp32 copy).
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@dataclass
+class Outcome:
+    tokens_per_s: float
+    first_steps_s: float  # the warmup steps, compilation included
+    peak_memory_bytes: int | None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def start_memory(device: torch.device) -> None:
+    """Free what the previous contender left and start its peak afresh."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def plain_run(args: argparse.Namespace, device: torch.device, reference_params: int) -> Outcome:
+    """The hand-written loop; wall time over the steady steps."""
+    start_memory(device)
+    torch.manual_seed(SEED)
+    shape = GPT_PRESETS[args.model]
+    model = GPT(args.vocab, args.seq_len, shape["n_layer"], shape["n_head"], shape["d_model"]).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    if n_params != reference_params:  # the two contenders must train the same shape
+        raise SystemExit(f"plain model has {n_params} parameters, meshyard's GPT {reference_params}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
+    forward = torch.compile(model) if args.compile else model
+    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq_len + 1), device=device)
+    inputs, targets = data[..., :-1].contiguous(), data[..., 1:].contiguous()
+
+    def step(i: int) -> None:
+        context = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+        with context:
+            loss = forward(inputs[i], targets[i])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # what users do each step, to log it
+
+    synchronize(device)
+    begin = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    synchronize(device)
+    steady = time.perf_counter()
+    for i in range(args.warmup, args.steps):
+        step(i)
+    synchronize(device)
+    end = time.perf_counter()
+    tokens = (args.steps - args.warmup) * args.batch * args.seq_len
+    return Outcome(tokens / (end - steady), steady - begin, peak_memory(device))
+
+
+def meshyard_overrides(args: argparse.Namespace, device: torch.device, run_dir: Path) -> list[str]:
+    # Enough random tokens that the measured steps never cross an epoch boundary.
+    windows = math.ceil(args.steps * args.batch / 0.98) + 2
+    random_tokens = max(1_048_576, windows * args.seq_len + 1)
+    return [
+        f"--model.name={args.model}", f"--model.vocab_size={args.vocab}", "--data.source=random",
+        f"--data.vocab_size={args.vocab}", f"--data.random_tokens={random_tokens}", f"--data.seq_len={args.seq_len}",
+        f"--data.cache_dir={run_dir.parent / 'cache'}", "--parallel.strategy=none",
+        f"--train.compile={'true' if args.compile else 'false'}",
+        f"--precision.dtype={'bf16' if device.type == 'cuda' else 'fp32'}", f"--run.device={device.type}",
+        # meshyard limits a CPU rank to 1 thread by default; the plain loop uses the same count.
+        f"--run.threads_per_rank={args.threads}",
+        f"--train.steps={args.steps}", f"--train.global_batch={args.batch}", f"--train.micro_batch={args.batch}",
+        "--train.grad_clip=1.0", "--train.eval_every=0", "--checkpoint.enabled=false",
+        "--metrics.progress_bar=false", f"--metrics.log_every={10 ** 6}", f"--run.run_dir={run_dir}",
+    ]
+
+
+def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path) -> Outcome:
+    """``meshyard.run`` in this process; wall time between its records' ``time`` stamps."""
+    start_memory(device)
+    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir)), nproc=1)
+    records = result.metrics()
+    if len(records) != args.steps:
+        raise SystemExit(f"meshyard recorded {len(records)} steps, expected {args.steps} ({result.run_dir})")
+    # records[warmup - 1] is stamped as the last warmup step ends: from there to the last
+    # record is the same (steps - warmup) steps the plain loop times.
+    seconds = records[-1]["time"] - records[args.warmup - 1]["time"]
+    tokens = (args.steps - args.warmup) * args.batch * args.seq_len
+    first = sum(r["step_time_s"] for r in records[: args.warmup])
+    return Outcome(tokens / seconds, first, peak_memory(device))
+
+
+def parse_args() -> tuple[argparse.Namespace, torch.device]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--model", choices=sorted(GPT_PRESETS), help="meshyard GPT preset")
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--batch", type=int, help="samples per step (global = micro batch)")
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--steps", type=int, help="steps per contender per round, warmup included")
+    parser.add_argument("--warmup", type=int, help="first steps left out of the timing (compilation)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads of both")
+    parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
+    args = parser.parse_args()
+    wanted = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = torch.device("cpu" if wanted == "auto" else wanted)
+    for key, value in DEFAULTS[device.type].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not 1 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 1 and below --steps")
+    return args, device
+
+
+def main() -> None:
+    args, device = parse_args()
+    torch.set_num_threads(args.threads)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    preset = GPT_PRESETS[args.model]
+    with torch.device("meta"):  # the FLOPs formula needs meshyard's GPT, not its memory
+        reference = MeshyardGPT(GPTShape(args.vocab, args.seq_len, preset["n_layer"], preset["n_head"],
+                                         preset["d_model"]))
+    flops_per_token = training_flops_per_token(reference, args.seq_len)
+    reference_params = sum(p.numel() for p in reference.parameters())
+    peak = catalog_peak(torch.cuda.get_device_name(device), dtype) if cuda else measured_cpu_peak()
+    device_name = torch.cuda.get_device_name(device) if cuda else f"CPU, {args.threads} threads"
+
+    runs: dict[str, list[Outcome]] = {"plain": [], "meshyard": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        for round_index in range(args.rounds):
+            order = ["plain", "meshyard"] if round_index % 2 == 0 else ["meshyard", "plain"]
+            for name in order:
+                if name == "plain":
+                    runs[name].append(plain_run(args, device, reference_params))
+                else:
+                    runs[name].append(meshyard_run(args, device, Path(workdir) / f"round{round_index}"))
+            plain_tps, ours_tps = runs["plain"][-1].tokens_per_s, runs["meshyard"][-1].tokens_per_s
+            print(f"round {round_index + 1} ({order[0]} first): plain {plain_tps:,.0f} tok/s, "
+                  f"meshyard {ours_tps:,.0f} tok/s, ratio {ours_tps / plain_tps:.4f}", flush=True)
+
+    ratio = statistics.median(m.tokens_per_s / p.tokens_per_s for p, m in zip(runs["plain"], runs["meshyard"]))
+    summary = {}
+    for name, outcomes in runs.items():
+        tps = statistics.median(o.tokens_per_s for o in outcomes)
+        memory = max((o.peak_memory_bytes for o in outcomes if o.peak_memory_bytes is not None), default=None)
+        summary[name] = {"tokens_per_s": tps, "mfu": tps * flops_per_token / peak if peak else None,
+                         "vs_baseline": 1.0 if name == "plain" else ratio, "peak_memory_bytes": memory,
+                         "compile_s": outcomes[0].first_steps_s,  # the first round's: cold compile caches
+                         "rounds": [asdict(o) for o in outcomes]}
+
+    print(f"\n{device_name}, torch {torch.__version__}: {args.model} (vocab {args.vocab}), batch {args.batch} x "
+          f"{args.seq_len} tokens, {str(dtype).removeprefix('torch.')}, compile {'on' if args.compile else 'off'}; "
+          f"{args.rounds} rounds x {args.steps - args.warmup} timed steps after {args.warmup} warmup")
+    print(f"{'loop':<10}{'tokens/s':>14}{'MFU':>8}{'peak mem':>11}{'first steps':>13}")
+    for name, row in summary.items():
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+        memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] is not None else "n/a"
+        print(f"{name:<10}{row['tokens_per_s']:>14,.0f}{mfu:>8}{memory:>11}{row['compile_s']:>12.2f}s")
+    peak_text = f"{peak / 1e12:.1f} TFLOP/s {'datasheet' if cuda else 'measured fp32 matmul'}" if peak else "unknown"
+    print(f"FLOPs per token {flops_per_token / 1e6:.1f} M; peak {peak_text}")
+    print(f"ratio meshyard / plain tokens/s (median of rounds): {ratio:.4f}")
+    mfu = summary["meshyard"]["mfu"]
+    if cuda:
+        met = ratio >= 1.0 and mfu is not None and mfu >= 0.40
+        print(f"verdict: {'met' if met else 'NOT met'} (targets on CUDA: ratio >= 1.0 and MFU >= 40%"
+              f"{'; MFU unknown for this GPU' if mfu is None else ''})")
+    else:
+        met = ratio >= 0.98
+        print(f"verdict: {'met' if met else 'NOT met'} (target on CPU: ratio >= 0.98)")
+
+    out = args.out or (Path(__file__).parent / "results" / f"gpu-{datetime.date.today().isoformat()}.json"
+                       if cuda else None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "device": device_name, "torch": torch.__version__,
+            "config": {"model": args.model, "seq_len": args.seq_len, "batch": args.batch, "vocab": args.vocab,
+                       "dtype": str(dtype).removeprefix("torch."), "compile": args.compile, "steps": args.steps,
+                       "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None},
+            "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
+            "contenders": summary,
+        }, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
