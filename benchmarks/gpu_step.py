@@ -10,8 +10,10 @@ Both are timed in wall time over the steady steps, after --warmup steps (which i
 compilation): the plain loop with perf_counter and a device synchronize, meshyard from its
 records' ``time`` field. The figure is meshyard tokens/s / plain tokens/s, the median of the
 per-round ratios; MFU uses meshyard's FLOPs per token and the datasheet peak (CUDA) or a
-measured fp32 matmul peak (CPU). On CUDA the result is written to
-benchmarks/results/gpu-<date>.json; on CPU only with --out.
+measured fp32 matmul peak (CPU). "first steps" is the warmup's time in the first round;
+the contender that goes second there finds the compiler's caches warm, so read it as a
+rough figure. On CUDA the result is written to benchmarks/results/gpu-<date>.json; on CPU
+only with --out. On a CPU shared with other work, --threads 1 gives steadier figures.
 
     python benchmarks/gpu_step.py [--rounds 3] [--steps 30] [--warmup 10] [--no-compile]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
@@ -225,7 +227,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--warmup", type=int, help="first steps left out of the timing (compilation)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads of both")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="CPU threads of both (default: torch's)")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
     args = parser.parse_args()
     wanted = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
@@ -278,7 +281,7 @@ def main() -> None:
     print(f"\n{device_name}, torch {torch.__version__}: {args.model} (vocab {args.vocab}), batch {args.batch} x "
           f"{args.seq_len} tokens, {str(dtype).removeprefix('torch.')}, compile {'on' if args.compile else 'off'}; "
           f"{args.rounds} rounds x {args.steps - args.warmup} timed steps after {args.warmup} warmup")
-    print(f"{'loop':<10}{'tokens/s':>14}{'MFU':>8}{'peak mem':>11}{'first steps':>13}")
+    print(f"{'loop':<10}{'tokens/s':>14}{'MFU':>8}{'peak mem':>11}{'first steps':>13}  (warmup, round 1)")
     for name, row in summary.items():
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] is not None else "n/a"

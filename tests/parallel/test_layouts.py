@@ -50,6 +50,7 @@ LAYOUTS = {
                             "--parallel.pp_virtual_stages=2"]),
     "pp2-zerobubble": (2, ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=zerobubble",
                            "--parallel.pp_virtual_stages=2", "--parallel.microbatches=4"]),
+    "fsdp2-cpu-offload": (2, ["--parallel.strategy=fsdp", "--parallel.cpu_offload=true"]),
     "fsdp2xtp2": (4, ["--parallel.strategy=fsdp", "--parallel.tp=2"]),
     "ddp2xtp2": (4, ["--parallel.strategy=ddp", "--parallel.tp=2"]),  # replicated with FSDP2
     "hsdp2x2": (4, ["--parallel.strategy=fsdp", "--parallel.dp_replicate=2"]),

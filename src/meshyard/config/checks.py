@@ -116,6 +116,9 @@ def _parallel_problems(p: ParallelConfig) -> list[str]:
     return _failed([
         *derived, *at_least_one, *prefetch, *plan,
         (p.microbatches >= 0, f"parallel.microbatches = {p.microbatches} must not be negative (0 uses parallel.pp)"),
+        (not p.cpu_offload or p.strategy == "fsdp",
+         f"parallel.cpu_offload = true offloads FSDP's shards, but parallel.strategy = '{p.strategy}'; set "
+         "parallel.strategy = 'fsdp' (or cpu_offload = false)"),
         (all(isinstance(n, str) and n.strip() for n in p.fsdp_units),
          f"parallel.fsdp_units = {p.fsdp_units} must list module class names, e.g. [\"Block\"] (empty finds them)"),
         # DDP turns the size into a byte count held in 64 bits; no bucket needs more than 1 TiB.

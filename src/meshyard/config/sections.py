@@ -127,6 +127,11 @@ class ParallelConfig:
     backward_prefetch: int = option(
         0, "fsdp: explicitly prefetch the all-gathers of the previous N blocks in backward; 0 keeps FSDP2's default (1)."
     )
+    cpu_offload: bool = option(
+        False, "fsdp: keep the sharded parameters, gradients and optimizer states in host memory (FSDP2 "
+        "CPUOffloadPolicy, pinned on GPUs); each block's parameters are copied to the device for its forward and "
+        "backward and the optimizer steps on the CPU: less device memory, slower steps."
+    )
     tp: int = option(1, "Tensor-parallel degree: attention heads and MLP split Megatron-style over this many ranks.")
     sequence_parallel: bool = option(
         True, "tp: also split norms and dropout along the sequence (less activation memory, same result); "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshyard.parallel.units import describe_units, find_blocks
@@ -48,6 +48,7 @@ def apply_fsdp(
     backward_prefetch: int = 0,
     unit_names: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each block is its own unit, then the root holds the rest.
 
@@ -58,9 +59,13 @@ def apply_fsdp(
     next N blocks early (more overlap, N blocks' more memory); 0 keeps FSDP2's default.
     The blocks are the modules of the classes in ``unit_names``, or of the repeated block
     class (``meshyard.parallel.units``); a model without any is one unit, the root.
-    ``log`` receives one line saying which units were made.
+    ``log`` receives one line saying which units were made. ``cpu_offload`` keeps the
+    shards (and so gradients and optimizer states) in host memory, pinned where the mesh
+    is on a GPU (pinning needs one).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = (CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload
+               else OffloadPolicy())
     blocks = find_blocks(model, unit_names)
     if log is not None:
         log(describe_units(model, blocks))
@@ -68,8 +73,9 @@ def apply_fsdp(
         # The last block's parameters are needed at once by backward, so freeing them
         # after forward would only cost an extra all-gather.
         reshard = reshard_after_forward and index < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                offload_policy=offload)
     set_prefetch(blocks, forward_prefetch, backward_prefetch)
     return model
 

@@ -132,4 +132,5 @@ class Layout:
         """The layout as recorded in run.json (manifests keep the data-parallel part)."""
         dims = self.dims
         return {"strategy": self.cfg.strategy, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                "tp": dims.tp, "pp": dims.pp, "activation_checkpointing": self.cfg.ac}
+                "tp": dims.tp, "pp": dims.pp, "activation_checkpointing": self.cfg.ac,
+                "cpu_offload": self.effective_cfg.cpu_offload}

@@ -48,9 +48,11 @@ def build_model_deferred(build: Callable[[], nn.Module], device: torch.device, d
     return model, None
 
 
-def materialize(model: nn.Module, record: InitRecord) -> None:
+def materialize(model: nn.Module, record: InitRecord, offloaded: bool = False) -> None:
     """Give the parameters and buffers of a parallelized meta ``model`` storage on the
     device and fill this rank's part (shard, stages) of their initial values.
+    ``offloaded`` (FSDP's CPU offload): parameters in host memory, where FSDP keeps the
+    shards it copies to the device, and buffers on the device.
 
     Call after ``parallelize`` and before the optimizer exists (it may replace tensors).
     """
@@ -59,7 +61,7 @@ def materialize(model: nn.Module, record: InitRecord) -> None:
     roots = [unwrap(stage) for _, stage in holder.stages] if isinstance(holder, PipelinedModel) else [holder]
     for root in roots:
         # On the FSDP root too, so that FSDP re-reads its shards' new storage.
-        root.to_empty(device=record.device)
+        root.to_empty(device=torch.device("cpu") if offloaded else record.device)
     if isinstance(holder, PipelinedModel):
         holder.gather()  # tensors a stage root holds itself were replaced
     _retie(holder, tied)
@@ -70,7 +72,17 @@ def materialize(model: nn.Module, record: InitRecord) -> None:
             if id(tensor) not in filled:
                 filled.add(id(tensor))
                 _fill(tensor, record.compute(name))
+    if offloaded:
+        _move_buffers(holder, record.device)
     record.restore_generator()
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` onto ``device`` (assigning a tensor to a buffer's name
+    replaces the buffer, persistent or not)."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(device))
 
 
 def _fill(tensor: torch.Tensor, full: torch.Tensor) -> None:

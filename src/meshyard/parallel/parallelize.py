@@ -100,7 +100,7 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
         reduce_dtype = torch.float32 if (low_precision and reduce_fp32) else None
         return apply_fsdp(model, dp_mesh, cfg.reshard_after_forward, low_precision, reduce_dtype,
                           forward_prefetch=cfg.forward_prefetch, backward_prefetch=cfg.backward_prefetch,
-                          unit_names=units, log=log)
+                          unit_names=units, log=log, cpu_offload=cfg.cpu_offload)
     if layout.data_parallel == "ddp":
         return apply_ddp(model, mesh["dp_replicate"], cfg.bucket_mb,
                          gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph)

@@ -191,7 +191,8 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
                                compilation=Compilation(cfg.train.compile) if compile_blocks else None)
     model_init = "meta" if init_record is not None else "device"
     if init_record is not None:
-        materialize(parallelized.model, init_record)  # this rank's shards and stages, valued as in a full build
+        # This rank's shards and stages, valued as in a full build.
+        materialize(parallelized.model, init_record, offloaded=layout.effective_cfg.cpu_offload)
     del init_record  # it holds the values of tensors built with them, in full
     if timer.enabled and layout.times_fsdp_waits(runtime.device.type):
         timer.fsdp.attach(parallelized.model)  # FSDP's forward all-gather waits count as communication
