@@ -11,7 +11,7 @@ from rich.console import Console
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.hardware import GPUS, INTER_NODE_LINKS, CatalogError
 from meshyard.plan.inputs import PlanInputError, PlanInputs, resolve_inputs
-from meshyard.plan.layout import PRECISIONS, STRATEGIES
+from meshyard.plan.layout import STRATEGIES, TRAINABLE_PRECISIONS
 from meshyard.plan.report import (
     render_catalog, render_cluster, render_memory, render_model, render_plan, render_scale, render_step,
 )
@@ -55,8 +55,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     train.add_argument("--seq-len", type=int, help="tokens per sample (default 1024)")
     train.add_argument("--global-batch", type=int, help="samples per optimizer step (default about 0.5M tokens)")
-    train.add_argument("--precision", choices=tuple(PRECISIONS), help="fp32, bf16 (default: fp32 parameters, "
-                       "bf16 compute), fp16, or bf16-master (bf16 parameters, fp32 master copy)")
+    train.add_argument("--precision", choices=TRAINABLE_PRECISIONS, help="fp32, bf16 (default: fp32 parameters, "
+                       "bf16 compute) or fp16: the precisions meshyard trains in")
     train.add_argument("--optimizer", choices=("adamw", "sgd"), help="optimizer (default adamw)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=int, default=8, help="devices in the job (default 8)")

@@ -63,6 +63,11 @@ PRECISIONS: dict[str, Precision] = {
     ),
 }
 
+TRAINABLE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""What ``meshyard plan`` offers: the precisions the trainer runs. ``bf16-master`` stays in
+the table above for comparisons with the ZeRO paper and peers' accounting only; meshyard's
+bf16 keeps fp32 parameters (the master) and computes in bf16, the same 16 bytes a parameter."""
+
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
 """Moment tensors per parameter: Adam keeps two (m, v), SGD with momentum one."""
 
