@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one run on a machine with one (CUDA torch already
+# installed there): the gpu tests, the training step against a compiled plain loop, the
+# async checkpoint's stall. Figures go to stdout and to $OUT (default /tmp/gpu-checks).
+#   PYTHONPATH=src bash scripts/gpu_checks.sh
+# tomli-w is the one dependency such machines tend to lack: put its wheel in wheels/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-src}"
+out="${OUT:-/tmp/gpu-checks}"
+mkdir -p "$out"
+python3 -c "import tomli_w" 2>/dev/null || python3 -m pip install -q --no-deps wheels/tomli_w-*.whl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+echo "== pytest -m gpu"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -15
+echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024)"
+python3 benchmarks/gpu_step.py --rounds 2 --out "$out/gpu_step.json" 2>&1 | tail -25
+cp "$out/gpu_step.json" "benchmarks/results/gpu-$(date +%F).json" 2>/dev/null
+echo "== benchmarks/checkpoint.py (gpt2-124m, one process)"
+python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 2 2>&1 | tail -20
