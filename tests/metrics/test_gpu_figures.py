@@ -70,6 +70,17 @@ def test_unsupported_nvml_figure_is_dropped(monkeypatch):
     assert set(probe.nvml_figures()) == {"gpu_utilization_pct", "gpu_temperature_c"}
 
 
+def test_nvml_is_asked_on_logging_steps_only(monkeypatch):
+    """Each NVML query costs host time the GPU would wait for; the allocator's figures are free."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="cccc"))
+    for name in ("memory_allocated", "max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda device: 1024)
+    probe = MemoryProbe(torch.device("cuda", 0), nvml=FakeNvml(), nvml_every=3)
+    reads = [probe.read() for _ in range(6)]
+    assert ["gpu_power_w" in figures for figures in reads] == [False, False, True, False, False, True]
+    assert all(figures["gpu_allocated_bytes"] == 1024 for figures in reads)
+
+
 class FakeStream:
     """Events complete only when the host waits for them, as on a busy GPU."""
 

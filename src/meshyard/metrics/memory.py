@@ -74,13 +74,17 @@ NVML_FIGURES: dict[str, Callable[[Any, Any], float]] = {
 
 
 class MemoryProbe:
-    """Reads this rank's memory once per step; NVML (nvidia-ml-py) when it is installed.
+    """Reads this rank's memory once per step; NVML (nvidia-ml-py) when it is installed, on
+    every ``nvml_every``-th read only (the steps that log): each NVML query costs the host
+    time a GPU step should not wait for, while the allocator's figures are free.
 
     ``nvml`` replaces the ``pynvml`` module (tests pass a fake).
     """
 
-    def __init__(self, device: torch.device, nvml: Any = None) -> None:
+    def __init__(self, device: torch.device, nvml: Any = None, nvml_every: int = 1) -> None:
         self.device = device
+        self.nvml_every = max(1, nvml_every)
+        self._reads = 0
         self._nvml = nvml
         self._nvml_handle = None
         self._nvml_figures = dict(NVML_FIGURES)
@@ -111,7 +115,9 @@ class MemoryProbe:
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
             "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
         }
-        figures.update(self.nvml_figures())
+        self._reads += 1
+        if self._reads % self.nvml_every == 0:
+            figures.update(self.nvml_figures())
         return figures
 
     def nvml_figures(self) -> dict[str, float]:

@@ -35,7 +35,7 @@ def build_meter(cfg: MetricsConfig, timer: StepTimer | NullStepTimer, model: nn.
         peak, source = device_peak(device, dtype)
         facts = {"training_flops_per_token": flops, "peak_flops_per_rank": peak, "peak_source": source}
     window = RankWindow(cfg.gather_every, cfg.straggler_factor, hosts) if cfg.gather_every else None
-    return StepMeter(timer, MemoryProbe(device), window, flops, peak, world_size), facts
+    return StepMeter(timer, MemoryProbe(device, nvml_every=cfg.log_every), window, flops, peak, world_size), facts
 
 
 def build_exporters(cfg: MetricsConfig, run_dir: Path) -> list[Any]:
