@@ -39,8 +39,9 @@ def test_cuda_event_breakdown_adds_up_to_the_step(make_config, strategy):
 
 def test_nvml_figures_are_this_ranks_gpu(make_config):
     pynvml = pytest.importorskip("pynvml")
-    records = _records(make_config, "ddp")
-    for record in records:
+    records = _records(make_config, "ddp", "--metrics.log_every=2")
+    assert [record["step"] for record in records if "gpu_power_w" in record] == [2, 4, 6, 8]  # logging steps
+    for record in records[1::2]:
         assert 0 <= record["gpu_utilization_pct"] <= 100, record
         assert record["gpu_power_w"] > 0 and 0 < record["gpu_temperature_c"] < 120, record
     # The handle the probe uses is found by UUID: NVML names the GPU CUDA computes on.
