@@ -47,11 +47,19 @@ class Layout:
         return self.cfg.strategy == "ddp" and (dims.pp > 1 or (dims.tp > 1 and dims.dp_replicate > 1))
 
     @property
+    def shards_nothing(self) -> bool:
+        """Whether ``strategy = 'fsdp'`` on a single rank (no offload) has nothing to shard:
+        it then runs as 'none', without DTensor parameters, whose per-tensor dispatch makes
+        every optimizer step slower for no memory saved. Checkpoints still move to and from
+        sharded layouts (DCP reshards plain tensors too)."""
+        return self.cfg.strategy == "fsdp" and self.dims.world_size == 1 and not self.cfg.cpu_offload
+
+    @property
     def data_parallel(self) -> str:
         """The wrapper data parallelism uses: 'fsdp' (FSDP2, sharding or replicating),
         'ddp' (DistributedDataParallel, also under ZeRO-1) or 'none' (one data-parallel rank
         and no FSDP)."""
-        if self.cfg.strategy == "fsdp" or self.replicates_with_fsdp:
+        if (self.cfg.strategy == "fsdp" and not self.shards_nothing) or self.replicates_with_fsdp:
             return "fsdp"
         if self.cfg.strategy in ("ddp", "zero1") and self.dims.dp_replicate > 1:
             return "ddp"
@@ -60,7 +68,10 @@ class Layout:
     @property
     def effective_cfg(self) -> ParallelConfig:
         """``cfg`` as carried out: 'ddp' by FSDP2 replication becomes 'fsdp' with
-        parameters kept unsharded (one shard per replica: nothing to free after forward)."""
+        parameters kept unsharded (one shard per replica: nothing to free after forward);
+        'fsdp' on one rank becomes 'none' (``shards_nothing``)."""
+        if self.shards_nothing:
+            return dataclasses.replace(self.cfg, strategy="none")
         if not self.replicates_with_fsdp:
             return self.cfg
         return dataclasses.replace(self.cfg, strategy="fsdp", reshard_after_forward=False)
@@ -95,7 +106,7 @@ class Layout:
         """Layouts in which no rank keeps the whole model, so it is built on the meta
         device: FSDP, or a pipeline (whose stages are replicated with FSDP when data
         parallel)."""
-        return self.cfg.strategy == "fsdp" or self.dims.pp > 1
+        return (self.cfg.strategy == "fsdp" and not self.shards_nothing) or self.dims.pp > 1
 
     @property
     def compiles_whole(self) -> bool:
