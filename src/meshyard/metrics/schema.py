@@ -133,7 +133,7 @@ FIELDS: dict[str, Field] = {
     "comm_wire_bytes": Field(COUNT, False, "bytes", "bytes rank 0 sends for that payload under ring algorithms",
                              "comm.accounting"),
     # compilation (train.compile on)
-    "compiled_graphs": Field(COUNT, False, "graphs", "graphs torch.compile has built in rank 0's process so far; "
+    "compiled_graphs": Field(COUNT, False, "1", "graphs torch.compile has built in rank 0's process so far; "
                              "a steady run stops adding (a rise later is a recompile)", "train.step"),
     # pipeline stages (pipelined runs)
     "pp_compute_s": Field(NUMBER, False, "s", "rank 0's stage compute time in the schedule", "train.pipeline_step"),
