@@ -27,10 +27,6 @@ def test_phases_add_up_to_the_step_time(make_config, strategy):
         # twice or timed outside the step makes the parts exceed the step and breaks this.
         assert abs(parts + record["other_s"] - record["step_time_s"]) < 1e-6, record
         assert all(record[f"{p}_s"] > 0 for p in PHASES), record  # every phase timed
-    # Work left out of every phase would fall into other_s on every step; a loaded
-    # machine's pauses land there only on some, so the best covered step is checked.
-    covered = max(1 - record["other_s"] / record["step_time_s"] for record in records[1:])
-    assert covered > 0.9, records
         assert 0 < record["mfu"] < 1.5 and record["rss_bytes"] > 0
         if strategy == "fsdp":
             # The loss all-reduce alone makes comm_s positive; this part exists only while
@@ -38,6 +34,10 @@ def test_phases_add_up_to_the_step_time(make_config, strategy):
             assert 0 < record["allgather_wait_s"] <= record["comm_s"], record
         else:
             assert "allgather_wait_s" not in record  # DDP gathers nothing in forward
+    # Work left out of every phase would fall into other_s on every step; a loaded
+    # machine's pauses land there only on some, so the best covered step is checked.
+    covered = max(1 - record["other_s"] / record["step_time_s"] for record in records[1:])
+    assert covered > 0.9, records
     gathered = [r for r in records if "ranks" in r]
     assert [r["step"] for r in gathered] == [4, 8]
     assert all(len(values) == 2 for values in gathered[0]["ranks"].values())
