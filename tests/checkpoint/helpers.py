@@ -1,4 +1,5 @@
-"""Running meshyard as a user does (a subprocess), watching it, and reading its checkpoints."""
+"""Running meshyard as a user does (a subprocess, or the Python API), watching it, and
+reading its checkpoints."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+import meshyard
 from meshyard.checkpoint.tools import model_state, resolve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +45,18 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]
 
 def run(run_dir: Path, *overrides: str, nproc: int = 2) -> tuple[int, str, str]:
     return finish(start(run_dir, *overrides, nproc=nproc))
+
+
+def run_here(run_dir: Path, *overrides: str, nproc: int = 2) -> meshyard.RunResult:
+    """The job of ``start`` through ``meshyard.run`` in this process: the same agent and
+    workers (in the same environment, so the same numbers) without a command's own
+    interpreter start. For runs whose signals and exit code are not under test; the
+    workers' console lines reach this process's stdout (pytest's ``capfd``)."""
+    paths = [f"--run.run_dir={run_dir}", f"--data.cache_dir={run_dir.parent / 'cache'}"]
+    config = meshyard.load_config(None, [*JOB, *paths, *overrides])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        return meshyard.run(config, nproc=nproc)
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -110,13 +110,13 @@ def test_startup_over_its_timeout_is_reported_and_steps_are_still_watched(tmp_pa
 
 
 def test_slow_startup_of_a_run_is_not_a_hang_but_a_stalled_step_is(tmp_path):
-    """Through a whole (one-process) run: a model builder slower than the step timeout,
-    then a forward that stalls past it."""
+    """Through a whole (one-process) run: a model builder twice as slow as the step
+    timeout, then a forward that stalls past it."""
     import meshyard
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path, "--model.name=tests/fault/faulty_plugins.py:build_model",
-                      "--model.options={ rank = 0, build_sleep_s = 4, hang_at = 2, hang_s = 4 }", "--train.steps=3",
+                      "--model.options={ rank = 0, build_sleep_s = 3, hang_at = 2, hang_s = 4 }", "--train.steps=3",
                       "--fault.hang_timeout_s=1.5", "--fault.startup_timeout_s=60")
     meshyard.run(cfg, nproc=1)
     report = json.loads((tmp_path / "run" / "hang" / "report-rank0.json").read_text())

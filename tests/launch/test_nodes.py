@@ -4,6 +4,8 @@ no network setting given by hand.
 
 One job config throughout: a deterministic tiny GPT on the recording dataset (every
 sample a rank reads is logged), so runs compare step by step and sample by sample.
+Starting a job's agents and workers costs far more than its steps, so a job that loses
+or gains a host is started once and serves every test about what it went through.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -32,7 +35,8 @@ JOB = [
     "--model.name=gpt-tiny", "--data.source=tests/checkpoint/recording_dataset.py:build", "--data.seq_len=16",
     f"--train.global_batch={GLOBAL_BATCH}", f"--train.steps={STEPS}", "--train.eval_every=0",
     "--train.deterministic=true", "--optim.schedule=constant", "--optim.warmup_steps=2",
-    "--precision.dtype=fp32", "--metrics.progress_bar=false", f"--checkpoint.interval={INTERVAL}",
+    "--precision.dtype=fp32", "--metrics.progress_bar=false", "--metrics.mfu=false",  # no matmul peak timed at each start
+    f"--checkpoint.interval={INTERVAL}",
     "--checkpoint.async_save=false", "--fault.grace_period_s=30",
     "--run.rdzv_timeout_s=120", "--run.rdzv_last_call_s=2",
 ]
@@ -42,8 +46,8 @@ _ports = itertools.count(29411)
 class Job:
     """One multi-node job: its command per host, its run directory and sample records."""
 
-    def __init__(self, hosts, folder: Path, nnodes: str, *overrides: str, nproc: int = 2) -> None:
-        self.hosts, self.folder = hosts, folder
+    def __init__(self, hosts, folder: Path, nnodes: str, *overrides: str, nproc: int = 2, steps: int = STEPS) -> None:
+        self.hosts, self.folder, self.steps = hosts, folder, steps
         folder.mkdir(parents=True, exist_ok=True)
         self.rdzv_id = folder.name
         self.run_dir = folder / "runs" / f"meshyard-{self.rdzv_id}"
@@ -51,7 +55,8 @@ class Job:
         self.command = [
             sys.executable, "-m", "meshyard.cli", "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-endpoint", f"{hosts.address(0)}:{self.port}", "--rdzv-id", self.rdzv_id, *JOB,
-            f"--run.dir={folder / 'runs'}", f"--data.cache_dir={folder / 'seen'}", *overrides,
+            f"--run.dir={folder / 'runs'}", f"--data.cache_dir={folder / 'seen'}",
+            *([f"--train.steps={steps}"] if steps != STEPS else []), *overrides,
         ]
         self.procs: dict[int, subprocess.Popen] = {}
 
@@ -76,16 +81,45 @@ class Job:
         return {host: proc.returncode for host, proc in self.procs.items()}
 
     def wait_for_step(self, step: int, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
         path = self.run_dir / "metrics.jsonl"
+
+        def reached() -> bool:
+            text = path.read_text() if path.exists() else ""
+            lines = text[: text.rfind("\n") + 1].splitlines()  # not the line being written
+            return bool(lines) and json.loads(lines[-1])["step"] >= step
+
+        self._wait_until(reached, f"step {step}", timeout)
+
+    def wait_for_restarts(self, count: int, timeout: float = 180) -> None:
+        """Until the job has resumed ``count`` times (rank 0 notes each resume before its
+        first step, after run.json); only whole lines count."""
+        path = self.run_dir / "restarts.jsonl"
+        self._wait_until(lambda: path.exists() and path.read_text().count("\n") >= count, f"restart {count}", timeout)
+
+    def wait_for_failure_noticed(self, timeout: float = 180) -> None:
+        """Until a worker of the hosts still running recorded that a peer is gone: their
+        agent has the failure in hand (the workers of a killed host record nothing)."""
+        self._wait_until(lambda: any((self.run_dir / "logs" / "failures").glob("restart0-rank*.json")),
+                         "a recorded failure", timeout)
+
+    def _wait_until(self, condition: Callable[[], bool], what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            lines = path.read_text().splitlines() if path.exists() else []
-            if lines and json.loads(lines[-1])["step"] >= step:
+            if condition():
                 return
             if any(proc.poll() is not None for proc in self.procs.values()):
-                raise AssertionError(f"a host ended before step {step}:\n{self.logs()}")
+                raise AssertionError(f"a host ended before {what}:\n{self.logs()}")
             time.sleep(0.005)
-        raise AssertionError(f"step {step} not reached in {timeout}s:\n{self.logs()}")
+        raise AssertionError(f"{what} not reached in {timeout}s:\n{self.logs()}")
+
+    def lose(self, host: int) -> None:
+        """Host ``host``'s agent and workers killed at once, as a host losing power."""
+        self.hosts.kill_host(host)
+        del self.procs[host]
+
+    def facts(self) -> dict:
+        """run.json: what rank 0 recorded at the job's latest start."""
+        return json.loads((self.run_dir / "run.json").read_text())
 
     def logs(self) -> str:
         return "\n".join(f"--- host {path.stem}\n{path.read_text()[-3000:]}"
@@ -93,7 +127,7 @@ class Job:
 
     def losses(self) -> list[float]:
         records = read_metrics(self.run_dir)
-        assert [r["step"] for r in records] == list(range(1, STEPS + 1)), self.logs()
+        assert [r["step"] for r in records] == list(range(1, self.steps + 1)), self.logs()
         return [r["loss"] for r in records]
 
     def restarts(self) -> list[dict]:
@@ -130,76 +164,106 @@ def reference(netns_hosts, tmp_path_factory) -> Job:
 
 def test_two_hosts_ddp_match_one_process(reference, one_process):
     assert reference.losses() == pytest.approx(one_process, rel=1e-5)
-    facts = json.loads((reference.run_dir / "run.json").read_text())
+    facts = reference.facts()
     assert facts["world_size"] == 4
     _assert_each_sample_once(reference)
     assert len(seen_indices(reference.folder / "seen")) == STEPS * GLOBAL_BATCH  # nothing read twice
 
 
-def test_two_hosts_fsdp_match_one_process(netns_hosts, tmp_path, one_process):
-    job = _finished(Job(netns_hosts, tmp_path / "fsdp", "2", "--parallel.strategy=fsdp").start_all())
-    assert job.losses() == pytest.approx(one_process, rel=1e-5)
+@pytest.fixture(scope="module")
+def fixed_size_fsdp(netns_hosts, tmp_path_factory) -> Job:
+    """A 2 hosts x 2 processes FSDP job of a fixed size that loses host 1 at step 12: host
+    0 must wait for it, and the same command on host 1 brings the job back to 4 ranks."""
+    job = Job(netns_hosts, tmp_path_factory.mktemp("fixed"), "2", "--fault.max_restarts=2",
+              "--parallel.strategy=fsdp").start_all()
+    job.wait_for_step(12)
+    job.lose(1)
+    # The host that is left notices the loss, then has nobody to go on with: it waits
+    # (through its rendezvous, not giving up) for host 1, which only comes back after.
+    job.wait_for_failure_noticed()
+    assert job.procs[0].poll() is None, "the surviving host should wait for the lost one:\n" + job.logs()
+    job.start(1)  # the host comes back: the same command
+    return _finished(job)
 
 
-def _assert_each_sample_once(job: Job, steps: int = STEPS) -> None:
+def test_two_hosts_fsdp_match_one_process(fixed_size_fsdp, one_process):
+    # Every step ran on the 4 ranks of both hosts: those up to the checkpoint before the
+    # loss, and the rest after the resume from it.
+    assert fixed_size_fsdp.facts()["world_size"] == 4
+    assert fixed_size_fsdp.losses() == pytest.approx(one_process, rel=1e-5)
+
+
+def _assert_each_sample_once(job: Job) -> None:
     """The samples read: exactly those of the job's steps in the sampler's order, each
     read again only in the steps redone after a failure (those restarts.jsonl records
-    as lost)."""
+    as lost) and in the one step each restart may have had in flight."""
     sampler = GlobalBatchSampler(2048, GLOBAL_BATCH, GLOBAL_BATCH, 0, 1, seed=1234)  # the default train.seed
-    expected = {index for step in range(steps) for batch in sampler.step_indices(step) for index in batch}
+    expected = {index for step in range(job.steps) for batch in sampler.step_indices(step) for index in batch}
     reads = seen_indices(job.folder / "seen")
     assert set(reads) == expected, "a sample was skipped or a foreign one read"
-    lost = sum(entry["steps_lost"] for entry in job.restarts())
-    assert len(reads) - len(expected) <= (lost + 1) * GLOBAL_BATCH, "samples were read again beyond the lost steps"
-
-
-def test_elastic_job_goes_on_without_a_lost_host(netns_hosts, tmp_path, reference):
-    # FSDP: the sharded model and optimizer state go from 4 shards to 2 on the way.
-    job = Job(netns_hosts, tmp_path / "elastic", "1:2", "--fault.max_restarts=2", "--parallel.strategy=fsdp").start_all()
-    job.wait_for_step(12)
-    netns_hosts.kill_host(1)  # its agent and workers, as a host losing power
-    code = job.procs[0].wait(240)
-    assert code == 0, job.logs()
     restarts = job.restarts()
-    assert len(restarts) == 1 and restarts[0]["resumed_step"] % INTERVAL == 0
-    assert restarts[0]["steps_lost"] == restarts[0]["last_recorded_step"] - restarts[0]["resumed_step"]
-    assert json.loads((job.run_dir / "run.json").read_text())["world_size"] == 2  # resharded onto one host
+    lost = sum(entry["steps_lost"] for entry in restarts)
+    assert len(reads) - len(expected) <= (lost + max(1, len(restarts))) * GLOBAL_BATCH, \
+        "samples were read again beyond the lost steps"
+
+
+@pytest.fixture(scope="module")
+def elastic_fsdp(netns_hosts, tmp_path_factory) -> tuple[Job, dict]:
+    """One elastic FSDP job of 1 to 2 hosts through both changes of size: it loses host 1
+    at step 12 (the sharded model and optimizer state go from 4 shards to 2), goes on
+    alone, and takes host 1 in when it comes back (2 shards to 4). Returns the job and
+    its run.json while it ran on one host."""
+    # Slow while on fewer than 4 ranks (slow_dataset.build_until_joined): once host 1 is
+    # started again, some 50 steps (40 s) are left for it to arrive, so it always joins
+    # before the end.
+    steps = 2 * STEPS + INTERVAL
+    job = Job(netns_hosts, tmp_path_factory.mktemp("elastic"), "1:2", "--fault.max_restarts=2",
+              "--parallel.strategy=fsdp", "--data.source=tests/launch/slow_dataset.py:build_until_joined",
+              steps=steps).start_all()
+    job.wait_for_step(12)
+    job.lose(1)
+    job.wait_for_restarts(1)
+    alone = job.facts()
+    # Host 1 comes back once the job trains on one host (its metrics now end at the
+    # step it resumed from).
+    job.wait_for_step(job.restarts()[0]["resumed_step"] + 1)
+    job.start(1)
+    return _finished(job), alone
+
+
+def test_elastic_job_goes_on_without_a_lost_host(elastic_fsdp, reference):
+    job, alone = elastic_fsdp
+    restarts = job.restarts()
+    assert len(restarts) == 2, job.logs()  # the loss, then the join
+    lost = restarts[0]
+    assert lost["resumed_step"] % INTERVAL == 0 and lost["last_recorded_step"] >= 12
+    assert lost["steps_lost"] == lost["last_recorded_step"] - lost["resumed_step"]
+    assert alone["world_size"] == 2  # resharded onto one host
+    assert {host.split()[-1] for host in alone["hosts"]} == {f"({job.hosts.address(0)})"}
     # 2 ranks instead of 4 sum gradients in another order: equal to float precision.
-    assert job.losses() == pytest.approx(reference.losses(), rel=1e-5)
+    assert job.losses()[:STEPS] == pytest.approx(reference.losses(), rel=1e-5)
     _assert_each_sample_once(job)
 
 
-def test_elastic_job_takes_in_a_host_that_joins(netns_hosts, tmp_path):
-    steps = 60
-    job = Job(netns_hosts, tmp_path / "join", "1:2", "--fault.max_restarts=1", f"--train.steps={steps}",
-              "--data.source=tests/launch/slow_dataset.py:build_until_joined")
-    job.start(0)
-    # Training on one host, slowly until the other host's workers are in; past the first
-    # checkpoint, which the grown job resumes from.
-    job.wait_for_step(INTERVAL + 1)
-    job.start(1)
-    _finished(job)
-    facts = json.loads((job.run_dir / "run.json").read_text())
+def test_elastic_job_takes_in_a_host_that_joins(elastic_fsdp):
+    job, _ = elastic_fsdp
+    facts = job.facts()
     assert facts["world_size"] == 4 and {host.split()[-1] for host in facts["hosts"]} == {
-        f"({netns_hosts.address(0)})", f"({netns_hosts.address(1)})"}
+        f"({job.hosts.address(0)})", f"({job.hosts.address(1)})"}
     restarts = job.restarts()
-    assert len(restarts) == 1 and INTERVAL <= restarts[0]["resumed_step"] < steps
-    assert [r["step"] for r in read_metrics(job.run_dir)] == list(range(1, steps + 1))
-    _assert_each_sample_once(job, steps)
+    assert len(restarts) == 2, job.logs()
+    joined = restarts[1]
+    assert INTERVAL <= joined["resumed_step"] < job.steps
+    assert [r["step"] for r in read_metrics(job.run_dir)] == list(range(1, job.steps + 1))
+    _assert_each_sample_once(job)
 
 
-def test_fixed_size_job_waits_for_the_lost_host_and_resumes(netns_hosts, tmp_path, reference):
-    job = Job(netns_hosts, tmp_path / "fixed", "2", "--fault.max_restarts=2").start_all()
-    job.wait_for_step(12)
-    netns_hosts.kill_host(1)
-    time.sleep(3)
-    assert job.procs[0].poll() is None, "the surviving host should wait for the lost one:\n" + job.logs()
-    job.start(1)  # the host comes back: the same command
-    _finished(job)
+def test_fixed_size_job_waits_for_the_lost_host_and_resumes(fixed_size_fsdp, reference):
+    job = fixed_size_fsdp
     restarts = job.restarts()
     assert len(restarts) == 1 and restarts[0]["resumed_step"] % INTERVAL == 0
     assert restarts[0]["steps_lost"] == restarts[0]["last_recorded_step"] - restarts[0]["resumed_step"]
-    assert json.loads((job.run_dir / "run.json").read_text())["world_size"] == 4
+    assert job.facts()["world_size"] == 4
     # The first step after a resume can round differently in its 4-rank gradient sums.
     assert job.losses() == pytest.approx(reference.losses(), rel=1e-5)
     _assert_each_sample_once(job)

@@ -1,15 +1,18 @@
 """``meshyard slurm``: the sbatch script's text, its refusals, and jobs on a real one-node
 Slurm (scripts/slurm_localhost.sh; those tests skip with its reason where it cannot start):
-one that trains to the end, and one that saves on USR1, requeues itself and finishes."""
+one that trains to the end, and one that saves on USR1, requeues itself and finishes (the
+two run side by side)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
-import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -106,15 +109,22 @@ def test_the_library_refuses_the_same(tmp_path):
 
 
 def _submit(folder: Path, *overrides: str) -> tuple[str, Path]:
-    """Submit a tiny 2-process job through ``meshyard slurm submit``; its job id and run directory."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "meshyard.cli", "slurm", "submit", *JOB, f"--run.dir={folder / 'runs'}",
-         f"--data.cache_dir={folder / 'seen'}", *overrides],
-        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    job_id = done.stdout.strip()
-    assert job_id.isdigit() and f"submitted job {job_id}" in done.stderr
+    """Submit a tiny 2-process job through ``meshyard slurm submit`` (the command's own
+    ``main``, from the repository root, so the job runs where a user's would); its job id
+    and run directory. sbatch hands the job this environment, less any SLURM_ variable
+    of an enclosing job, with one thread per worker."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [name for name in os.environ if name.startswith("SLURM_")]:
+            patch.delenv(name)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.chdir(REPO)
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(["slurm", "submit", *JOB, f"--run.dir={folder / 'runs'}", f"--data.cache_dir={folder / 'seen'}",
+                         *overrides])
+    assert code == 0, err.getvalue()
+    job_id = out.getvalue().strip()
+    assert job_id.isdigit() and f"submitted job {job_id}" in err.getvalue()
     assert list((folder / "runs" / "slurm").glob("meshyard-*.sbatch"))
     return job_id, folder / "runs" / f"meshyard-slurm{job_id}"
 
@@ -143,28 +153,59 @@ def _finished(job_id: str) -> dict[str, str]:
     return _wait(job_id, lambda job: job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), "the end")
 
 
-def test_a_submitted_job_trains_to_the_end(slurm_localhost, tmp_path):
-    job_id, run_dir = _submit(tmp_path, "--data.source=random", "--data.random_tokens=65536", "--train.steps=4",
-                              "--checkpoint.enabled=false")
-    job = _finished(job_id)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _output(tmp_path, job_id)
+@dataclass
+class Submitted:
+    folder: Path
+    job_id: str
+    run_dir: Path
+    ended: dict[str, str]  # the job's last ``scontrol show job`` fields
+
+
+# At half a second a step in its first run (slurm_requeue_dataset), the requeued job would
+# need half a minute to finish there: the signal lands well before the end.
+REQUEUED_STEPS, REQUEUED_BATCH = 60, 4
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_localhost, tmp_path_factory) -> dict[str, Submitted]:
+    """Two jobs, run side by side on the node's two CPUs: ``requeued`` is sent USR1 once it
+    trained 3 steps (it saves, requeues itself and finishes in its rerun); ``plain`` trains
+    4 steps to the end. The plain one is submitted once the signal is sent, so that it runs
+    while the other saves and waits out the pause Slurm puts before a requeued job starts
+    again (the credential lifetime), instead of after it."""
+    requeued = tmp_path_factory.mktemp("requeued")
+    requeued_id, requeued_run = _submit(requeued, "--data.source=tests/launch/slurm_requeue_dataset.py:build",
+                                        f"--train.steps={REQUEUED_STEPS}", "--fault.max_requeues=1",
+                                        "--checkpoint.interval=0")
+    _wait(requeued_id, lambda job: job["JobState"] == "RUNNING" and (requeued_run / "metrics.jsonl").exists()
+          and len(read_metrics(requeued_run)) >= 3, "training")
+    # Only a RUNNING job: a signal sent to a pending one is delivered to its next run.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", requeued_id], check=True, timeout=30)
+
+    plain = tmp_path_factory.mktemp("plain")
+    plain_id, plain_run = _submit(plain, "--data.source=random", "--data.random_tokens=65536", "--train.steps=4",
+                                  "--checkpoint.enabled=false")
+    plain_end = _finished(plain_id)
+    requeued_end = _wait(requeued_id, lambda job: job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED")
+                         and job.get("Restarts") == "1", "the requeued run's end")
+    return {"plain": Submitted(plain, plain_id, plain_run, plain_end),
+            "requeued": Submitted(requeued, requeued_id, requeued_run, requeued_end)}
+
+
+def test_a_submitted_job_trains_to_the_end(jobs):
+    plain = jobs["plain"]
+    job, run_dir = plain.ended, plain.run_dir
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _output(plain.folder, plain.job_id)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["world_size"] == 2
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
-    assert f"records in {run_dir}" in _output(tmp_path, job_id)
+    assert f"records in {run_dir}" in _output(plain.folder, plain.job_id)
 
 
-def test_usr1_saves_requeues_and_the_rerun_finishes_every_step_once(slurm_localhost, tmp_path):
-    steps, batch = 200, 4  # ~10 s of training: the signal lands well before the end
-    job_id, run_dir = _submit(tmp_path, "--data.source=tests/launch/slow_dataset.py:build",
-                              f"--train.steps={steps}", "--fault.max_requeues=1", "--checkpoint.interval=0")
-    _wait(job_id, lambda job: job["JobState"] == "RUNNING" and (run_dir / "metrics.jsonl").exists()
-          and len(read_metrics(run_dir)) >= 3, "training")
-    # Only a RUNNING job: a signal sent to a pending one is delivered to its next run.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-    job = _wait(job_id, lambda job: job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED")
-                and job.get("Restarts") == "1", "the requeued run's end")
-    output = _output(tmp_path, job_id)
+def test_usr1_saves_requeues_and_the_rerun_finishes_every_step_once(jobs):
+    requeued = jobs["requeued"]
+    job, run_dir, steps, batch = requeued.ended, requeued.run_dir, REQUEUED_STEPS, REQUEUED_BATCH
+    output = _output(requeued.folder, requeued.job_id)
     assert job["JobState"] == "COMPLETED", output
     assert "requeueing (restart 0 of at most 1)" in output  # the first run's log, kept by --open-mode=append
     stopped = json.loads((run_dir / "preemption.json").read_text())
@@ -175,7 +216,7 @@ def test_usr1_saves_requeues_and_the_rerun_finishes_every_step_once(slurm_localh
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
     sampler = GlobalBatchSampler(2048, batch, batch, 0, 1, seed=1234)  # the default train.seed
     expected = [index for step in range(steps) for part in sampler.step_indices(step) for index in part]
-    reads = seen_indices(tmp_path / "seen")
+    reads = seen_indices(requeued.folder / "seen")
     assert set(reads) == set(expected), "a sample was skipped or a foreign one read"
     # At most the batch being read when the signal came is read again after the resume.
     assert len(reads) - len(expected) <= batch

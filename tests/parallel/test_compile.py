@@ -6,18 +6,23 @@ setting asks. Inductor compiles on CPU here: the runs are few and tiny."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import meshyard
 from meshyard.cli import main
+from meshyard.config.sections import Config
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.parallel.activation_checkpoint import apply_ac, checkpointed_blocks
-from meshyard.parallel.compile import Compilation, apply_compile, resolve_compile
+from meshyard.parallel.compile import Compilation, apply_compile, compiled_graphs, resolve_compile
 from meshyard.train.precision import build_precision
 from meshyard.train.step import CompileFailed, MicroBatchStep
+from meshyard.validate import validate
+from tests import shared_spawn
 from tests.conftest import tiny_config
+from tests.inprocess import fit_each_with_facts, records_and_facts
 from tests.models.user_models import untraceable
 
 SHAPE = GPTShape(vocab_size=32, context_length=8, n_layer=3, n_head=2, d_model=16)
@@ -52,26 +57,72 @@ def test_compiling_blocks_keeps_names_and_checkpointing_and_reverts():
     assert not any("forward" in vars(block) for block in plain.blocks)
 
 
-def _losses(result) -> list[float]:
-    return [record["loss"] for record in result.metrics()]
+def _config(folder: Path, *overrides: str) -> Config:
+    return tiny_config(folder, f"--train.steps={STEPS}", *overrides)
 
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory) -> list[float]:
-    return _losses(meshyard.run(tiny_config(tmp_path_factory.mktemp("eager"), f"--train.steps={STEPS}",
-                                            "--parallel.strategy=none"), nproc=1))
+    result = meshyard.run(_config(tmp_path_factory.mktemp("eager"), "--parallel.strategy=none"), nproc=1)
+    return [record["loss"] for record in result.metrics()]
+
+
+TWO_RANK_LAYOUTS = [name for name, (nproc, _) in LAYOUTS.items() if nproc == 2]
+
+
+def _two_rank_configs(folder: Path) -> list[Config]:
+    return [_config(folder / name, "--train.compile=true", *LAYOUTS[name][1]) for name in TWO_RANK_LAYOUTS]
+
+
+def _fit_compiled(rank: int, world_size: int, configs: list[Config]) -> tuple[int, list[dict]]:
+    """The graphs this process had compiled before (Dynamo counts a whole process's), and
+    each config's facts after fitting it."""
+    return compiled_graphs(), fit_each_with_facts(rank, world_size, configs)
+
+
+def _two_rank_job(request: pytest.FixtureRequest, folder: Path) -> tuple:
+    configs = _two_rank_configs(folder)
+    for cfg in configs:
+        validate(cfg, 2)
+    return _fit_compiled, (configs,)
+
+
+shared_spawn.register(2, "compile: layouts", __name__, _two_rank_job)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request) -> dict[str, tuple[list[int], list[float], str]]:
+    """Per 2-rank layout, its compiled run's per-step graph counts and losses, and what was
+    compiled (the fact a launched run writes to run.json): the layouts one after another
+    in the session's one spawn of two ranks."""
+    folder, per_rank = shared_spawn.result(request, 2, "compile: layouts")
+    before, facts = per_rank[0]
+    runs = {}
+    for name, (records, run_facts) in zip(TWO_RANK_LAYOUTS, records_and_facts(_two_rank_configs(folder), facts)):
+        # The process's count goes on from run to run: each run's own starts where the last ended.
+        graphs = [record["compiled_graphs"] - before for record in records]
+        runs[name] = (graphs, [record["loss"] for record in records], run_facts["compiled"])
+        before += graphs[-1]
+    return runs
+
+
+def _compiled_run(layout: str, folder: Path, request: pytest.FixtureRequest) -> tuple[list[int], list[float], str]:
+    """Per-step graph counts and losses of ``layout`` trained compiled, and what run.json
+    says was compiled. One process runs as a user launches it (in this process)."""
+    if LAYOUTS[layout][0] > 1:
+        return request.getfixturevalue("two_rank_runs")[layout]
+    result = meshyard.run(_config(folder, "--train.compile=true", *LAYOUTS[layout][1]), nproc=1)
+    records = result.metrics()
+    return ([record["compiled_graphs"] for record in records], [record["loss"] for record in records],
+            json.loads((result.run_dir / "run.json").read_text())["compiled"])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_compiled_losses_equal_eager_ones_without_recompiling(tmp_path, eager, layout):
-    nproc, overrides = LAYOUTS[layout]
-    result = meshyard.run(tiny_config(tmp_path, f"--train.steps={STEPS}", "--train.compile=true", *overrides),
-                          nproc=nproc)
-    assert _losses(result) == pytest.approx(eager, rel=1e-5)
-    facts = json.loads((result.run_dir / "run.json").read_text())
-    assert facts["compiled"] == ("the model and its loss" if layout == "one process" else
-                                 "Block x2" if layout == "fsdp" else "Block")  # each stage its blocks
-    graphs = [record["compiled_graphs"] for record in result.metrics()]
+def test_compiled_losses_equal_eager_ones_without_recompiling(tmp_path, request, eager, layout):
+    graphs, losses, what = _compiled_run(layout, tmp_path, request)
+    assert losses == pytest.approx(eager, rel=1e-5)
+    assert what == ("the model and its loss" if layout == "one process" else
+                    "Block x2" if layout == "fsdp" else "Block")  # each stage its blocks
     assert graphs[0] >= 1 and len(set(graphs[1:])) == 1, graphs  # compiled in step 1 (and 2), never again
 
 

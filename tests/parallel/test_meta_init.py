@@ -3,25 +3,26 @@ weights of a one-process build, and no rank ever holds the whole model."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-import meshyard
 from meshyard.models.deferred_init import DeferredInitError, record_build
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.models.mlp import MLP
-from meshyard.config.sections import ParallelConfig
+from meshyard.config.sections import Config, ParallelConfig
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.materialize import build_model_deferred, materialize
+from meshyard.validate import validate
+from tests import shared_spawn
 from tests.conftest import tiny_config
+from tests.inprocess import fit_each_with_facts, records_and_facts
 from tests.parallel.meta_scenarios import LARGE, LAYOUTS, SEED, SHAPE, build_peaks, held_values
-from tests.ranks import run_on_ranks
-from tests.train.test_parity import DATA, assert_close
+from tests.train.test_parity import DATA, STEPS, assert_close, losses_of, single_process_run
 
 CPU = torch.device("cpu")
 
@@ -156,16 +157,77 @@ def test_meta_initialisation_is_for_layouts_without_a_full_replica():
     assert not _meta_init("ddp", 1) and not _meta_init("zero1", 1) and not _meta_init("none", 1)
 
 
+RUN_LAYOUTS = {
+    "fsdp": ["--parallel.strategy=fsdp"],
+    "pp2-1f1b": ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=1f1b"],
+}
+PEAK_LAYOUTS = ["fsdp", "pp2"]
+MEASURES_PEAKS = os.access("/proc/self/clear_refs", os.W_OK)  # Linux's resettable VmHWM
+
+
+def run_config(folder: Path, *overrides: str) -> Config:
+    """A run of tests/train/test_parity.py's length on its real text."""
+    return tiny_config(folder, *DATA, f"--train.steps={STEPS}", *overrides)
+
+
+def _layouts_of(world_size: int) -> list[str]:
+    return [layout for layout, (nproc, _, _) in LAYOUTS.items() if nproc == world_size]
+
+
+def _held_under_each(rank: int, world_size: int, layouts: list[str]) -> dict[str, dict]:
+    return {layout: held_values(rank, world_size, layout) for layout in layouts}
+
+
+def _two_rank_checks(rank: int, world_size: int, peak_layouts: list[str], configs: list[Config]) -> dict:
+    """Everything checked on two ranks, in one spawn: the build peaks first (before this
+    process has built anything large), the values held under each 2-rank layout, then
+    each run of ``configs`` (built and fitted as a worker does) with its facts."""
+    return {"peaks": {layout: build_peaks(rank, world_size, layout) for layout in peak_layouts},
+            "held": _held_under_each(rank, world_size, _layouts_of(world_size)),
+            "runs": fit_each_with_facts(rank, world_size, configs)}
+
+
+def _run_configs(folder: Path) -> list[Config]:
+    return [run_config(folder / name, *overrides) for name, overrides in RUN_LAYOUTS.items()]
+
+
+def _two_rank_job(request: pytest.FixtureRequest, folder: Path) -> tuple:
+    configs = _run_configs(folder)
+    for cfg in configs:
+        validate(cfg, 2)
+    return _two_rank_checks, (PEAK_LAYOUTS if MEASURES_PEAKS else [], configs)
+
+
+# First in the session's spawns, so that the peaks are measured before the ranks build anything else.
+shared_spawn.register(2, "meta_init: checks", __name__, _two_rank_job, first=True)
+shared_spawn.register(4, "meta_init: values held", __name__,
+                      lambda request, folder: (_held_under_each, (_layouts_of(4),)))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request) -> dict:
+    """Per rank, the results of ``_two_rank_checks``; "runs" holds, per RUN_LAYOUTS entry,
+    rank 0's step records and its trainer's facts (what run.json records)."""
+    folder, per_rank = shared_spawn.result(request, 2, "meta_init: checks")
+    runs = dict(zip(RUN_LAYOUTS, records_and_facts(_run_configs(folder), per_rank[0]["runs"])))
+    return {"per_rank": per_rank, "runs": runs}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_each_rank_holds_its_part_of_the_full_builds_values(layout):
+def test_each_rank_holds_its_part_of_the_full_builds_values(request, layout):
     """Shards (FSDP, FSDP x TP with strided shards) and stages hold exactly the values of
     a one-process build; no rank holds more than its part."""
     expected, rng_expected = full_build(lambda: GPT(SHAPE))
     full = dict(expected.named_parameters(remove_duplicate=False))
     full_bytes = sum(p.numel() * p.element_size() for p in expected.parameters())
     world_size = LAYOUTS[layout][0]
+    if world_size == 2:
+        per_rank = [checks["held"][layout] for checks in request.getfixturevalue("two_ranks")["per_rank"]]
+    else:
+        _, held_per_rank = shared_spawn.result(request, 4, "meta_init: values held")
+        per_rank = [layouts_held[layout] for layouts_held in held_per_rank]
     seen: set[str] = set()
-    for rank, held in enumerate(run_on_ranks(held_values, layout, world_size=world_size)):
+    for rank, held in enumerate(per_rank):
         assert held["on_meta"] == [], f"rank {rank} left tensors on the meta device"
         assert torch.equal(held["rng_after"], rng_expected)
         for name, value in held["values"].items():
@@ -176,39 +238,29 @@ def test_each_rank_holds_its_part_of_the_full_builds_values(layout):
     assert seen | {"lm_head.weight"} == set(full)
 
 
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable VmHWM")
-@pytest.mark.parametrize("layout", ["fsdp", "pp2"])
-def test_no_rank_ever_holds_the_whole_model(layout):
+@pytest.mark.skipif(not MEASURES_PEAKS, reason="needs Linux's resettable VmHWM")
+@pytest.mark.parametrize("layout", PEAK_LAYOUTS)
+def test_no_rank_ever_holds_the_whole_model(two_ranks, layout):
     """Peak resident memory while building: the whole model's size on the device, about
     half of it (this rank's part plus one tensor at a time) on meta."""
     full_kib = sum(p.numel() * p.element_size() for p in GPT(LARGE).parameters()) / 1024
-    for rank, peaks in enumerate(run_on_ranks(build_peaks, layout, world_size=2)):
+    for rank, checks in enumerate(two_ranks["per_rank"]):
+        peaks = checks["peaks"][layout]
         assert peaks["device"] >= 0.95 * full_kib, f"rank {rank}: the measure must see a full build ({peaks})"
         assert peaks["meta"] <= 0.8 * full_kib, f"rank {rank}: {peaks} of {math.ceil(full_kib)} KiB"
 
 
-RUN_LAYOUTS = {
-    "fsdp": ["--parallel.strategy=fsdp"],
-    "pp2-1f1b": ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=1f1b"],
-}
-
-
-def run(tmp_path, nproc: int, *overrides: str) -> tuple[list[tuple[float, float]], str]:
-    """Per-step (loss, grad norm) of a 4-step run, and how its model was initialised."""
-    result = meshyard.run(tiny_config(tmp_path, *DATA, "--train.steps=4", *overrides), nproc=nproc)
-    facts = json.loads((result.run_dir / "run.json").read_text())
-    return [(r["loss"], r["grad_norm"]) for r in result.metrics()], facts["model_init"]
-
-
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> list[tuple[float, float]]:
-    losses, init = run(tmp_path_factory.mktemp("one"), 1, "--parallel.strategy=none")
-    assert init == "device"
-    return losses
+def one_process(request) -> list[tuple[float, float]]:
+    """The one-process run of tests/train/test_parity.py (launched as a user launches it,
+    trained once per session): its model was built on the device."""
+    values, facts = single_process_run(request)
+    assert facts["model_init"] == "device"
+    return values
 
 
 @pytest.mark.parametrize("layout", list(RUN_LAYOUTS))
-def test_runs_initialise_on_meta_with_unchanged_losses(tmp_path, one_process, layout):
-    losses, init = run(tmp_path, 2, *RUN_LAYOUTS[layout])
-    assert init == "meta"
-    assert_close(losses, one_process)
+def test_runs_initialise_on_meta_with_unchanged_losses(two_ranks, one_process, layout):
+    records, facts = two_ranks["runs"][layout]
+    assert facts["model_init"] == "meta"  # the fact a launched run writes to run.json
+    assert_close(losses_of(records), one_process)

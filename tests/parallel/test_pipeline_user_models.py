@@ -4,8 +4,9 @@ Standard: a nanoGPT-style model (blocks in a ModuleList inside a ModuleDict, tie
 a Hugging Face GPT-2 (tied head, returns a ModelOutput) and a Hugging Face Llama
 (rotary tables and a mask passed between stages) train under pp = 2 with the 1F1B and
 GPipe schedules to per-step losses within 1e-5 (relative) of one process, and their
-stages keep the full model's parameter names. One 2-rank spawn fits every case in turn;
-the one-process baselines run in this process.
+stages keep the full model's parameter names. The session's one 2-rank spawn
+(``tests/shared_spawn.py``) fits every case in turn; the one-process baselines run in
+this process (those of tests/parallel/test_user_models.py).
 
 Refusals, asked before any worker starts: a forward that cannot be traced, fewer blocks
 than stages, a pp_split that does not add up.
@@ -13,6 +14,7 @@ than stages, a pp_split that does not add up.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,11 @@ import torch.distributed as dist
 
 from meshyard.config.sections import ParallelConfig
 from meshyard.parallel.pipeline import example_micro_batch, pp_problems, split_model
+from tests import shared_spawn
 from tests.conftest import tiny_config
 from tests.inprocess import fitted
 from tests.models import user_models
-from tests.ranks import run_on_ranks
+from tests.parallel.test_user_models import one_process_fits
 
 USER_MODELS = Path(user_models.__file__).resolve()
 MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
@@ -64,22 +67,27 @@ def _pipelined_cases(rank: int, world_size: int, folder: str) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def pipelined(tmp_path_factory) -> tuple[Path, list[dict]]:
-    pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("pp")
-    return folder, run_on_ranks(_pipelined_cases, str(folder), world_size=2)
+def _has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+shared_spawn.register(2, "pipeline_user_models: cases", __name__,
+                      lambda request, folder: (_pipelined_cases, (str(folder),)) if _has_transformers() else None)
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> dict:
+def pipelined(request) -> tuple[Path, list[dict]]:
+    """The folder of the cases, and what each rank fitted (in the session's one spawn of two ranks)."""
     pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("one")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return {model: _fit(folder / model, _overrides(model, "--parallel.strategy=none")) for model in MODELS}
-    finally:
-        dist.destroy_process_group()
+    return shared_spawn.result(request, 2, "pipeline_user_models: cases")
+
+
+@pytest.fixture(scope="module")
+def single(request) -> dict:
+    """Each model on one process: the runs tests/parallel/test_user_models.py holds its
+    layouts to (trained once per test session)."""
+    pytest.importorskip("transformers")
+    return one_process_fits(request)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -17,11 +17,11 @@ from meshyard.config.sections import ParallelConfig
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.parallel.tp_modules import per_rank_attributes
 from meshyard.parallel.tp_plans import resolve_plan, tp_problems
+from tests import shared_spawn
 from tests.conftest import tiny_config
 from tests.inprocess import fitted
 from tests.models import user_models
 from tests.models.user_models import hf_gpt2, hf_llama, nanogpt
-from tests.ranks import run_on_ranks
 
 MODELS = Path(user_models.__file__)
 NANOGPT_PLAN = ('--parallel.tp_plan={ "transformer.h.*.attn.c_attn" = "colwise", "transformer.h.*.attn.c_proj" = '
@@ -278,25 +278,35 @@ def _tp2(rank: int, world_size: int, tmp: str, cases: dict[str, tuple[str, ...]]
     return {"grads": grads, "losses": _train_cases(rank, world_size, tmp, cases)}
 
 
-def test_tp2_gives_user_models_the_gradients_and_losses_of_one_process(tmp_path, references):
-    cases = {name: (*overrides, "--parallel.strategy=none", "--parallel.tp=2") for name, overrides in CASES.items()}
-    cases["hf_gpt2-gathered-logits"] = (*cases["hf_gpt2"], "--parallel.loss_parallel=false")
-    results = run_on_ranks(_tp2, str(tmp_path), cases)
+TP2_CASES = {name: (*overrides, "--parallel.strategy=none", "--parallel.tp=2") for name, overrides in CASES.items()}
+TP2_CASES["hf_gpt2-gathered-logits"] = (*TP2_CASES["hf_gpt2"], "--parallel.loss_parallel=false")
+shared_spawn.register(2, "tp_plans: tp2", __name__, lambda request, folder: (_tp2, (str(folder), TP2_CASES)))
+
+
+def test_tp2_gives_user_models_the_gradients_and_losses_of_one_process(request, references):
+    """Trained in the session's one spawn of two ranks."""
+    _, results = shared_spawn.result(request, 2, "tp_plans: tp2")
     assert results[0]["losses"] == results[1]["losses"]
     for name, losses in results[0]["losses"].items():
         _assert_matches(losses, references[name.split("-")[0]])
+    one_process_grads = {name: _forward_backward(name) for name in BUILDERS}  # once per model, for both splits
     for (name, split), out in results[0]["grads"].items():
-        reference = _forward_backward(name)
+        reference = one_process_grads[name]
         assert out["loss"] == pytest.approx(reference["loss"], rel=1e-5), name
         assert out["grads"].keys() == reference["grads"].keys(), "parameter names are kept"
         for param, grad in reference["grads"].items():
             torch.testing.assert_close(out["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name} {split}: {param}")
 
 
-def test_fsdp_x_tp_on_four_ranks_trains_user_models_as_one_process_does(tmp_path, references):
-    """Built on the meta device, split, sharded, then materialized (the fsdp default)."""
-    cases = {name: (*CASES[name], "--parallel.strategy=fsdp", "--parallel.tp=2", "--parallel.dp_shard=2")
-             for name in ("hf_gpt2", "hf_llama")}
-    results = run_on_ranks(_train_cases, str(tmp_path), cases, world_size=4)
-    for name in cases:
+FSDP_X_TP_CASES = {name: (*CASES[name], "--parallel.strategy=fsdp", "--parallel.tp=2", "--parallel.dp_shard=2")
+                   for name in ("hf_gpt2", "hf_llama")}
+shared_spawn.register(4, "tp_plans: fsdp x tp", __name__,
+                      lambda request, folder: (_train_cases, (str(folder), FSDP_X_TP_CASES)))
+
+
+def test_fsdp_x_tp_on_four_ranks_trains_user_models_as_one_process_does(request, references):
+    """Built on the meta device, split, sharded, then materialized (the fsdp default);
+    trained in the session's one spawn of four ranks."""
+    _, results = shared_spawn.result(request, 4, "tp_plans: fsdp x tp")
+    for name in FSDP_X_TP_CASES:
         _assert_matches(results[0][name], references[name])

@@ -6,9 +6,11 @@ ZeRO-2), FSDP with full activation checkpointing, tp=2, pp=2 (2 ranks) and FSDP 
 (4 ranks); each cell's per-step losses must lie within 1e-5 (relative) of the same
 config on one process.
 
-Cheap by construction: one 2-rank spawn builds and fits a trainer for every 2-rank cell
-in sequence, one 4-rank spawn does the FSDP x TP cells, and the one-process baselines run
-in this process; each (model, layout) cell is then its own test reading those results.
+Cheap by construction: the session's one 2-rank spawn (``tests/shared_spawn.py``) builds
+and fits a trainer for every 2-rank cell in sequence, its one 4-rank spawn does the FSDP
+x TP cells, and the one-process baselines run in this process, once per session (the
+pipeline tests use them too); each (model, layout) cell is then its own test reading
+those results.
 A cell that raises is recorded with its error (type, message, where it was raised) and the
 spawn goes on with the next cell; a spawn that hangs is ended by a deadline inside each
 rank, and the cells it had not finished are reported as such.
@@ -31,9 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from meshyard.parallel.activation_checkpoint import checkpointed_blocks
 from meshyard.parallel.data_parallel import unwrap
+from tests import shared_spawn
 from tests.conftest import tiny_config
 from tests.inprocess import fitted
-from tests.ranks import run_on_ranks
 
 USER_MODELS = Path(__file__).resolve().parents[1] / "models" / "user_models.py"
 MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
@@ -145,44 +147,77 @@ def _fit_cases(rank: int, world_size: int, folder: str, cases: list[tuple[str, t
     return results
 
 
-def _spawn(cases: list[tuple[str, tuple[str, ...]]], world_size: int, folder: Path) -> dict:
-    start = time.perf_counter()
+# World size -> (the name of its job in the session's shared spawn, its layouts)
+JOBS = {2: ("user_models: two-rank cells", TWO_RANK_LAYOUTS), 4: ("user_models: four-rank cells", FOUR_RANK_LAYOUTS)}
+
+
+def _job(layouts: dict[str, tuple[str, ...]]) -> shared_spawn.JobMaker:
+    """The cells of ``layouts`` that this session selected, as a job for the shared spawn."""
+    def make(request: pytest.FixtureRequest, folder: Path) -> tuple | None:
+        cases = _cases(layouts, request.session)
+        return (_fit_cases, (str(folder), cases)) if cases else None
+    return make
+
+
+shared_spawn.register(2, JOBS[2][0], __name__, _job(TWO_RANK_LAYOUTS))
+shared_spawn.register(4, JOBS[4][0], __name__, _job(FOUR_RANK_LAYOUTS))
+
+
+def _results(request: pytest.FixtureRequest, world_size: int) -> dict:
+    """Per cell of this world size, its rank-0 result; where a rank died or hung, the cells
+    finished before (rank 0 wrote them after each), the others reported as not finished."""
+    name, layouts = JOBS[world_size]
     try:
-        results = run_on_ranks(_fit_cases, str(folder), cases, world_size=world_size)[0]
-    except Exception as error:  # a rank died or hung: keep the cells finished before
-        partial = folder / "results.json"
+        _, per_rank = shared_spawn.result(request, world_size, name)
+        results = per_rank[0]
+    except shared_spawn.JobFailed as failed:
+        partial = failed.folder / "results.json"
         results = json.loads(partial.read_text()) if partial.exists() else {}
-        for case, _ in cases:
-            results.setdefault(case, {"error": f"not finished: the {world_size}-rank spawn ended with "
-                                               f"{type(error).__name__}: {error}"})
-    print(f"\n{world_size}-rank spawn: {len(cases)} cells in {time.perf_counter() - start:.1f}s: "
-          + ", ".join(f"{case} {cell.get('seconds', 0):.1f}s" for case, cell in results.items()))
+        for case, _ in _cases(layouts, request.session):
+            results.setdefault(case, {"error": f"not finished: the {world_size}-rank spawn ended with {failed}"})
+    print(f"\n{world_size}-rank cells: " + ", ".join(f"{case} {cell.get('seconds', 0):.1f}s"
+                                                  for case, cell in results.items()))
     return results
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(request, tmp_path_factory) -> dict:
-    return _spawn(_cases(TWO_RANK_LAYOUTS, request.session), 2, tmp_path_factory.mktemp("two-ranks"))
+def two_rank_results(request) -> dict:
+    return _results(request, 2)
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(request, tmp_path_factory) -> dict:
-    return _spawn(_cases(FOUR_RANK_LAYOUTS, request.session), 4, tmp_path_factory.mktemp("four-ranks"))
+def four_rank_results(request) -> dict:
+    return _results(request, 4)
+
+
+ONE_PROCESS_FITS = pytest.StashKey[dict[str, dict]]()
+
+
+def one_process_fits(request: pytest.FixtureRequest) -> dict[str, dict]:
+    """Each available model trained on one process (a 1-rank group in this process), same
+    seed and batch: its per-step losses and parameter names. The pipeline tests
+    (tests/parallel/test_pipeline_user_models.py) hold their stages to the same runs, so
+    these are trained once per test session (kept in the session's stash)."""
+    stash = request.config.stash
+    if ONE_PROCESS_FITS not in stash:
+        folder = request.getfixturevalue("tmp_path_factory").mktemp("one-process")
+        fits = {}
+        for model in filter(_available, MODELS):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                trainer = fitted(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), folder / model / "run")
+            finally:
+                dist.destroy_process_group()
+            fits[model] = {"losses": list(trainer.progress.losses),
+                           "names": sorted(name for name, _ in trainer.model.named_parameters())}
+        stash[ONE_PROCESS_FITS] = fits
+    return stash[ONE_PROCESS_FITS]
 
 
 @pytest.fixture(scope="module")
-def baselines(tmp_path_factory) -> dict[str, list[float]]:
-    """Each model on one process (a 1-rank group in this process), same seed and batch."""
-    folder = tmp_path_factory.mktemp("one-process")
-    losses = {}
-    for model in filter(_available, MODELS):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            losses[model] = _fit(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), 0, 1,
-                                 folder / model / "run")["losses"]
-        finally:
-            dist.destroy_process_group()
-    return losses
+def baselines(request) -> dict[str, list[float]]:
+    """Each model's per-step losses on one process, same seed and batch."""
+    return {model: fit["losses"] for model, fit in one_process_fits(request).items()}
 
 
 def _check_cell(model: str, layout: str, results: dict, baselines: dict[str, list[float]]) -> None:

@@ -1,4 +1,4 @@
-"""``build_trainer`` in-process: one rank in the test process, two through the spawn helper."""
+"""``build_trainer`` in-process: one rank in the test process, two in the session's shared spawn."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from meshyard.metrics.records import read_metrics
 from meshyard.runtime.distributed import Runtime
 from meshyard.train.build import build_trainer
 from meshyard.train.step import MicroBatchStep
+from tests import shared_spawn
 from tests.conftest import tiny_config
 from tests.inprocess import cpu_runtime
-from tests.ranks import run_on_ranks
 
 
 @pytest.fixture
@@ -88,22 +88,43 @@ def test_a_part_added_to_the_bundle_is_saved_and_restored(one_rank, tmp_path):
     assert restored.value == 41 and rebuilt.progress.step == 2
 
 
-def _two_rank_layouts(rank: int, world_size: int, tmp: str, overrides: tuple[str, ...]) -> dict:
-    cfg = tiny_config(Path(tmp), *overrides)
-    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / "run")
-    layout = trainer.layout
-    losses = _losses(trainer)
-    return {"runner": type(trainer.runner).__name__, "data_parallel": layout.data_parallel,
-            "zero1": layout.zero1, "losses": losses}
+# name -> (overrides, the step runner and the data-parallel wrapping its ranks must build)
+TWO_RANK_LAYOUTS = {
+    "fsdp": (("--parallel.strategy=fsdp",), "MicroBatchStep", "fsdp"),
+    "zero1": (("--parallel.strategy=zero1",), "MicroBatchStep", "ddp"),
+    "ddp-pp2": (("--parallel.strategy=ddp", "--parallel.pp=2", "--parallel.microbatches=2"), "PipelineStep", "fsdp"),
+}
 
 
-@pytest.mark.parametrize("overrides, runner, data_parallel", [
-    (("--parallel.strategy=fsdp",), "MicroBatchStep", "fsdp"),
-    (("--parallel.strategy=zero1",), "MicroBatchStep", "ddp"),
-    (("--parallel.strategy=ddp", "--parallel.pp=2", "--parallel.microbatches=2"), "PipelineStep", "fsdp"),
-])
-def test_two_ranks_build_the_layout_they_were_given(tmp_path, overrides, runner, data_parallel):
-    results = run_on_ranks(_two_rank_layouts, str(tmp_path), overrides)
+def _two_rank_layouts(rank: int, world_size: int, tmp: str, layouts: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """Each layout built and trained in turn on these ranks (one spawn for all of them)."""
+    results = {}
+    for name, overrides in layouts.items():
+        cfg = tiny_config(Path(tmp) / name, *overrides)
+        trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / name / "run")
+        layout = trainer.layout
+        losses = _losses(trainer)
+        results[name] = {"runner": type(trainer.runner).__name__, "data_parallel": layout.data_parallel,
+                         "zero1": layout.zero1, "losses": losses}
+        dist.barrier()  # both ranks are done with this layout before the next one starts
+    return results
+
+
+shared_spawn.register(2, "build: layouts", __name__, lambda request, folder: (
+    _two_rank_layouts, (str(folder), {name: overrides for name, (overrides, _, _) in TWO_RANK_LAYOUTS.items()})))
+
+
+@pytest.fixture(scope="module")
+def two_rank_builds(request) -> list[dict[str, dict]]:
+    """Per rank, what it built and trained for each layout of TWO_RANK_LAYOUTS (in the
+    session's one spawn of two ranks)."""
+    return shared_spawn.result(request, 2, "build: layouts")[1]
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
+def test_two_ranks_build_the_layout_they_were_given(two_rank_builds, layout):
+    overrides, runner, data_parallel = TWO_RANK_LAYOUTS[layout]
+    results = [rank_results[layout] for rank_results in two_rank_builds]
     assert {r["runner"] for r in results} == {runner}
     assert {r["data_parallel"] for r in results} == {data_parallel}
     assert results[0]["zero1"] == ("--parallel.strategy=zero1" in overrides)

@@ -6,13 +6,17 @@ process, and gradient accumulation of k micro-steps equal to one k-times larger 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 import meshyard
 from meshyard.config.sections import Config
-from tests.inprocess import fit_here, fit_on_ranks
+from meshyard.metrics.records import read_metrics
+from meshyard.validate import validate
+from tests import shared_spawn
+from tests.inprocess import fit_each_with_facts, fit_here
 
 STEPS = 5
 REL_TOL = 1e-5
@@ -24,11 +28,6 @@ def losses_of(records: list[dict]) -> list[tuple[float, float]]:
     """Per-step (loss, global gradient norm) of a run's records."""
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return [(r["loss"], r["grad_norm"]) for r in records]
-
-
-def losses(config: Config, nproc: int) -> list[tuple[float, float]]:
-    """Per-step (loss, global gradient norm) of a run launched as a user launches it."""
-    return losses_of(meshyard.run(config, nproc=nproc).metrics())
 
 
 def assert_close(actual: list[tuple[float, float]], expected: list[tuple[float, float]]) -> None:
@@ -55,21 +54,60 @@ def _config(folder: Path, *overrides: str) -> Config:
     return tiny_config(folder, *DATA, f"--train.steps={STEPS}", *overrides)
 
 
+SingleProcessRun = tuple[list[tuple[float, float]], dict]
+SINGLE_PROCESS = pytest.StashKey[SingleProcessRun]()
+
+
+def single_process_run(request: pytest.FixtureRequest) -> SingleProcessRun:
+    """Per-step (loss, grad norm) and run.json facts of the one-process run launched as a
+    user launches it (in this process); tests/parallel/test_meta_init.py holds its layouts
+    to the same run, so it is trained once per test session (kept in the session's stash)."""
+    stash = request.config.stash
+    if SINGLE_PROCESS not in stash:
+        folder = request.getfixturevalue("tmp_path_factory").mktemp("single-process")
+        result = meshyard.run(_config(folder, "--parallel.strategy=none"), nproc=1)
+        stash[SINGLE_PROCESS] = (losses_of(result.metrics()), json.loads((result.run_dir / "run.json").read_text()))
+    return stash[SINGLE_PROCESS]
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[tuple[float, float]]:
+def baseline(request) -> list[tuple[float, float]]:
     """One process, launched as a user launches it (the layouts below are built in-process)."""
-    values = losses(_config(tmp_path_factory.mktemp("baseline"), "--parallel.strategy=none"), nproc=1)
+    values, _ = single_process_run(request)
     assert values[-1][0] < values[0][0], "the baseline itself must learn"
     assert values[0][1] > 1.0, "clipping (train.grad_clip = 1) must be active for the norm check to bite"
     return values
 
 
+HSDP = ("--parallel.strategy=fsdp", "--parallel.dp_replicate=2")
+
+
+def _fitted_job(world_size: int, *layouts: tuple[str, ...]) -> shared_spawn.JobMaker:
+    """A job for the shared spawn: a config of each layout fitted in turn, each under the
+    job's folder in a folder named by its position."""
+    def make(request: pytest.FixtureRequest, folder: Path) -> tuple:
+        configs = [_config(folder / str(index), *overrides) for index, overrides in enumerate(layouts)]
+        for cfg in configs:
+            validate(cfg, world_size)
+        return fit_each_with_facts, (configs,)
+    return make
+
+
+def _fitted_losses(request: pytest.FixtureRequest, world_size: int, name: str,
+                   count: int) -> list[list[tuple[float, float]]]:
+    """Per layout of job ``name`` (``count`` of them), its per-step (loss, grad norm)."""
+    folder, _ = shared_spawn.result(request, world_size, name)
+    return [losses_of(read_metrics(folder / str(index) / "run")) for index in range(count)]
+
+
+shared_spawn.register(2, "parity: layouts", __name__, _fitted_job(2, *TWO_RANKS.values()))
+shared_spawn.register(4, "parity: hsdp", __name__, _fitted_job(4, HSDP))
+
+
 @pytest.fixture(scope="module")
-def two_rank_losses(tmp_path_factory) -> dict[str, list[tuple[float, float]]]:
-    """Every two-rank layout, trained one after another in one spawn of two ranks."""
-    root = tmp_path_factory.mktemp("two-ranks")
-    configs = [_config(root / name, *overrides) for name, overrides in TWO_RANKS.items()]
-    return {name: losses_of(records) for name, records in zip(TWO_RANKS, fit_on_ranks(configs, 2))}
+def two_rank_losses(request) -> dict[str, list[tuple[float, float]]]:
+    """Every two-rank layout, trained one after another in the session's one spawn of two ranks."""
+    return dict(zip(TWO_RANKS, _fitted_losses(request, 2, "parity: layouts", len(TWO_RANKS))))
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANKS))
@@ -77,9 +115,10 @@ def test_two_ranks_match_single_process(two_rank_losses, baseline, layout):
     assert_close(two_rank_losses[layout], baseline)
 
 
-def test_hsdp_on_four_ranks_matches_single_process(tmp_path, baseline):
-    cfg = _config(tmp_path, "--parallel.strategy=fsdp", "--parallel.dp_replicate=2")
-    assert_close(losses_of(fit_on_ranks([cfg], 4)[0]), baseline)
+def test_hsdp_on_four_ranks_matches_single_process(request, baseline):
+    """Trained in the session's one spawn of four ranks."""
+    [losses] = _fitted_losses(request, 4, "parity: hsdp", 1)
+    assert_close(losses, baseline)
 
 
 def test_accumulation_equals_larger_batch(tmp_path, baseline):
