@@ -40,9 +40,12 @@ def destroy_process_groups():
 
 
 def tiny_config(tmp_path: Path, *overrides: str) -> Config:
-    """A seconds-long job: 2-layer GPT, short samples, random tokens, records under tmp_path."""
+    """A seconds-long job: 2-layer GPT, short samples, random tokens, records under tmp_path.
+    No MFU (each worker would first time a matmul peak for up to a few seconds); the tests
+    of MFU turn it back on."""
     base = [
         "--model.name=gpt-tiny", "--data.source=random", "--data.seq_len=32", "--data.random_tokens=65536",
+        "--metrics.mfu=false",
         "--train.steps=4", "--train.global_batch=8", "--train.eval_every=0", "--optim.warmup_steps=2",
         "--metrics.progress_bar=false", "--checkpoint.enabled=false", f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
     ]

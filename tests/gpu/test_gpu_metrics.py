@@ -19,7 +19,8 @@ SUM_TOLERANCE = 0.05
 
 
 def _records(make_config, strategy: str, *overrides: str) -> list[dict]:
-    cfg = make_config("--run.device=cuda", f"--parallel.strategy={strategy}", "--train.steps=8", *overrides)
+    cfg = make_config("--run.device=cuda", f"--parallel.strategy={strategy}", "--train.steps=8", "--metrics.mfu=true",
+                      *overrides)
     return meshyard.run(cfg, nproc=1).metrics()
 
 

@@ -20,7 +20,7 @@ def test_phases_add_up_to_the_step_time(make_config, strategy):
     """DDP's exposed gradient wait comes from its comm hook, FSDP's forward all-gather
     waits from hooks around its pre-forward; both count as communication."""
     records = meshyard.run(make_config("--train.steps=8", "--train.grad_accum=2", "--metrics.gather_every=4",
-                                       f"--parallel.strategy={strategy}"), nproc=2).metrics()
+                                       f"--parallel.strategy={strategy}", "--metrics.mfu=true"), nproc=2).metrics()
     for record in records[1:]:
         parts = sum(record[f"{p}_s"] for p in PHASES)
         # other_s is what the phases leave of the step, never below 0: a phase counted

@@ -52,7 +52,8 @@ def test_every_record_of_a_real_run_validates(make_config):
     fp16 fast on CPU), evaluation and (synchronous) checkpoints."""
     cfg = make_config("--parallel.strategy=none", "--train.steps=6", "--train.eval_every=3",
                       "--metrics.gather_every=2", "--checkpoint.enabled=true", "--checkpoint.interval=2",
-                      "--checkpoint.async_save=false", "--precision.dtype=fp16", "--model.d_model=32")
+                      "--checkpoint.async_save=false", "--precision.dtype=fp16", "--model.d_model=32",
+                      "--metrics.mfu=true")
     records = meshyard.run(cfg, nproc=1).metrics()
     assert [r["step"] for r in records] == list(range(1, 7))
     for record in records:
