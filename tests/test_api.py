@@ -14,6 +14,7 @@ import pytest
 import meshyard
 from meshyard.config.load import load_config
 from meshyard.metrics.records import read_metrics
+from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,12 +84,21 @@ def fp32_reference(make_config, tmp_path, *overrides: str) -> list[dict]:
     return meshyard.run(cfg, nproc=1).metrics()
 
 
+LOW_PRECISION_SHAPE = ("--train.steps=3", "--model.d_model=32")
+
+
+@pytest.fixture(scope="module")
+def fp32_low_precision_reference(tmp_path_factory) -> list[dict]:
+    """The fp32 run both half precisions are held against (the same job for each: run once)."""
+    root = tmp_path_factory.mktemp("fp32_reference")
+    return fp32_reference(lambda *overrides: tiny_config(root, *overrides), root, *LOW_PRECISION_SHAPE)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_trains(make_config, tmp_path, dtype):
-    shape = ("--train.steps=3", "--model.d_model=32")
-    cfg = make_config(f"--precision.dtype={dtype}", "--parallel.strategy=none", *shape)
+def test_low_precision_trains(make_config, fp32_low_precision_reference, dtype):
+    cfg = make_config(f"--precision.dtype={dtype}", "--parallel.strategy=none", *LOW_PRECISION_SHAPE)
     result = meshyard.run(cfg, nproc=1)
-    assert_close_to_fp32(result.metrics(), fp32_reference(make_config, tmp_path, *shape), dtype)
+    assert_close_to_fp32(result.metrics(), fp32_low_precision_reference, dtype)
     assert json.loads((result.run_dir / "run.json").read_text())["dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[dtype]
 
 

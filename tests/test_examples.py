@@ -10,11 +10,14 @@ import pytest
 
 from meshyard.cli import main
 from meshyard.config.load import load_config
+from meshyard.config.sections import Config
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import is_custom_reference, load_callable
 from meshyard.validate import load_and_validate
+from tests.inprocess import train_with_facts
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml"))
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -44,18 +47,54 @@ def tiny_overrides(path: Path, tmp_path: Path) -> list[str]:
     return overrides
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_runs(path, tmp_path, monkeypatch, capsys):
-    """``meshyard run <example>`` trains with the example's own layout and world size."""
-    monkeypatch.chdir(path.parents[1])
-    assert main(["run", str(path), *tiny_overrides(path, tmp_path)]) == 0, capsys.readouterr().err[-3000:]
+# Launched through ``meshyard run`` as a user runs it: its model and dataset are files named
+# relative to the directory the command runs in, which the launched workers import.
+LAUNCHED = "custom_model"
+TRAINED_ON_RANKS = [p for p in EXAMPLES if p.stem != LAUNCHED]
+
+
+def check_trained(path: Path, records: list[dict], facts: dict) -> None:
+    """Two finite steps, with the example's own world size and layout."""
     config = load_config(path)
-    records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records)
-    facts = json.loads((tmp_path / "run" / "run.json").read_text())
     assert facts["world_size"] == config.run.nproc and facts["strategy"] == config.parallel.strategy
     assert (facts["tp"], facts["pp"]) == (config.parallel.tp, config.parallel.pp)
     assert facts["activation_checkpointing"] == config.parallel.ac
     if config.parallel.dp_replicate:
         assert facts["dp_replicate"] == config.parallel.dp_replicate
+
+
+def test_example_launches_as_a_user_runs_it(tmp_path, monkeypatch, capsys):
+    """``meshyard run <example>`` trains with the example's own layout and world size."""
+    path = next(p for p in EXAMPLES if p.stem == LAUNCHED)
+    monkeypatch.chdir(path.parents[1])
+    assert main(["run", str(path), *tiny_overrides(path, tmp_path)]) == 0, capsys.readouterr().err[-3000:]
+    facts = json.loads((tmp_path / "run" / "run.json").read_text())
+    check_trained(path, read_metrics(tmp_path / "run"), facts)
+
+
+@pytest.fixture(scope="module")
+def trained_examples(tmp_path_factory) -> dict[str, tuple[list[dict], dict]]:
+    """Every other example, loaded and checked as ``meshyard run`` does, then trained on its
+    own world size: the examples of one world size in one spawn of ranks (records and
+    rank 0's run facts, by example)."""
+    root = tmp_path_factory.mktemp("examples")
+    by_world_size: dict[int, list[tuple[str, Config]]] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)  # plugin paths are relative to the repository
+        for path in TRAINED_ON_RANKS:
+            config, _ = load_and_validate(path, tiny_overrides(path, root / path.stem))
+            by_world_size.setdefault(config.run.nproc, []).append((path.stem, config))
+        trained = {}
+        for world_size, named in by_world_size.items():
+            results = train_with_facts([config for _, config in named], world_size)
+            trained.update({name: result for (name, _), result in zip(named, results)})
+    return trained
+
+
+@pytest.mark.parametrize("path", TRAINED_ON_RANKS, ids=[p.stem for p in TRAINED_ON_RANKS])
+def test_example_trains_on_its_layout(path, trained_examples):
+    """The example's layout and world size train, as the workers of ``meshyard run`` would."""
+    records, facts = trained_examples[path.stem]
+    check_trained(path, records, facts)

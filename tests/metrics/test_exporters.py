@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
+import pytest
+
+import meshyard
+from meshyard.fault.preemption import Preempted
 from meshyard.metrics.exporters import SCALARS
-from tests.checkpoint.helpers import finish, start
+from tests.checkpoint.helpers import JOB, worker_pid
 
 
 def test_exported_scalars_are_the_schemas_and_keep_their_order():
@@ -20,30 +27,58 @@ def test_exported_scalars_are_the_schemas_and_keep_their_order():
                        "compression_ratio")
 
 
-def test_prometheus_serves_step_and_per_rank_metrics_on_loopback(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, "--train.steps=2000", "--metrics.prometheus=true", "--metrics.prometheus_port=0",
-                 "--metrics.gather_every=2", "--checkpoint.enabled=false")
+RANK1_GAUGE = 'meshyard_rank_busy_s{rank="1"}'
+
+
+def scrape_until_rank1_then_stop(run_dir: Path, scraped: dict, run_over: threading.Event) -> None:
+    """Scrape the run's endpoint until rank 1's figures are served (the first per-rank
+    gather, at step 2), then stop the run: a SIGTERM to rank 0's worker is a preemption,
+    which every rank honours at the next step boundary."""
+    deadline = time.monotonic() + 120
+    body = ""
     try:
-        deadline = time.monotonic() + 120
-        body = ""
-        while time.monotonic() < deadline and 'meshyard_rank_busy_s{rank="1"}' not in body:
+        while time.monotonic() < deadline and not run_over.is_set() and RANK1_GAUGE not in body:
             time.sleep(0.2)
-            if (run_dir / "prometheus.json").exists():
+            try:
                 url = json.loads((run_dir / "prometheus.json").read_text())["url"]
-                assert url.startswith("http://127.0.0.1:")
-                body = urllib.request.urlopen(url, timeout=5).read().decode()
+            except (OSError, ValueError):  # not written yet, or not completely
+                continue
+            scraped["url"] = url
+            body = urllib.request.urlopen(url, timeout=5).read().decode()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        finish(proc)
+        scraped["body"] = body
+        if not run_over.is_set():
+            os.kill(worker_pid(run_dir, 0), signal.SIGTERM)
+
+
+def test_prometheus_serves_step_and_per_rank_metrics_on_loopback(tmp_path, monkeypatch):
+    """A 2-rank run through ``meshyard.run`` (the launcher and workers of ``meshyard run``,
+    without a command's own interpreter start), scraped while it trains."""
+    run_dir = tmp_path / "run"
+    config = meshyard.load_config(None, [
+        *JOB, f"--run.run_dir={run_dir}", f"--data.cache_dir={tmp_path / 'cache'}", "--train.steps=2000",
+        "--metrics.prometheus=true", "--metrics.prometheus_port=0", "--metrics.gather_every=2",
+        "--checkpoint.enabled=false"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    scraped: dict = {}
+    run_over = threading.Event()
+    scraper = threading.Thread(target=scrape_until_rank1_then_stop, args=(run_dir, scraped, run_over), daemon=True)
+    scraper.start()
+    try:
+        with pytest.raises(Preempted):
+            meshyard.run(config, nproc=2)
+    finally:
+        run_over.set()
+        scraper.join(timeout=30)
+    assert scraped["url"].startswith("http://127.0.0.1:")
+    body = scraped["body"]
     for name in ("meshyard_step ", "meshyard_loss ", "meshyard_step_time_s ", "meshyard_tokens_per_s ",
                  "meshyard_forward_s ", "meshyard_comm_s ", "meshyard_mfu ", 'meshyard_rank_busy_s{rank="0"}',
-                 'meshyard_rank_busy_s{rank="1"}', 'meshyard_rank_step_time_s{rank="1"}'):
+                 RANK1_GAUGE, 'meshyard_rank_step_time_s{rank="1"}'):
         assert name in body, name
 
 
 def test_tensorboard_event_files_when_enabled(make_config):
-    import meshyard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = make_config("--metrics.tensorboard=true", "--parallel.strategy=none", "--train.steps=3")

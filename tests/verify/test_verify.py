@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
+import meshyard
 from meshyard.cli import main
+from meshyard.validate import load_and_validate
 from meshyard.verify import VerifyReport, tolerance_for
+from meshyard.verify.compare import _for_comparison, compare_runs, describe_layout, single_process
 from tests.conftest import tiny_config
+from tests.inprocess import fit_on_ranks
 
 TINY = ["--model.name=gpt-tiny", "--data.source=random", "--data.seq_len=32", "--data.random_tokens=65536",
         "--train.global_batch=8", "--optim.warmup_steps=2", "--metrics.progress_bar=false"]
@@ -26,21 +31,48 @@ def test_pipeline_layout_passes(tmp_path, capsys):
 USER_MODELS = Path(__file__).resolve().parents[1] / "models" / "user_models.py"
 
 
-@pytest.mark.parametrize("model, layout", [
-    ("nanogpt", ["--parallel.strategy=fsdp"]),
-    ("hf_llama", ["--parallel.strategy=none", "--parallel.tp=2"]),
-    ("hf_gpt2", ["--parallel.strategy=none", "--parallel.pp=2"]),
-], ids=["nanogpt-fsdp", "hf_llama-tp2", "hf_gpt2-pp2"])
-def test_users_models_pass(tmp_path, capsys, model, layout):
-    """Models meshyard has never seen (nanoGPT-style, Hugging Face GPT-2 and Llama),
-    through the real command: both runs, the table and the verdict."""
-    if model.startswith("hf_"):
+USERS_LAYOUTS = {
+    "nanogpt-fsdp": ("nanogpt", ["--parallel.strategy=fsdp"]),
+    "hf_llama-tp2": ("hf_llama", ["--parallel.strategy=none", "--parallel.tp=2"]),
+    "hf_gpt2-pp2": ("hf_gpt2", ["--parallel.strategy=none", "--parallel.pp=2"]),
+}
+USERS_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def users_reports(tmp_path_factory) -> dict[str, VerifyReport]:
+    """``meshyard verify``'s two runs and comparison for each user model: the configs the
+    command makes from the same arguments (``--nproc 2 --steps 2``), the one-process run
+    as the command runs it, and the three layout runs in one spawn of 2 ranks rather than
+    a launch each (the command itself is run by the tests around this one)."""
+    root = tmp_path_factory.mktemp("users")
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    wanted = {case: spec for case, spec in USERS_LAYOUTS.items()
+              if has_transformers or not spec[0].startswith("hf_")}
+    reports, layout_runs = {}, []
+    for case, (model, layout) in wanted.items():
+        config, checked = load_and_validate(None, [*TINY, f"--model.name={USER_MODELS}:{model}", *layout,
+                                                   "--run.nproc=2", f"--data.cache_dir={root / 'cache'}"])
+        precision, tolerance = tolerance_for(config)
+        reports[case] = VerifyReport(precision, tolerance, describe_layout(config, 2, checked.dims))
+        single = _for_comparison(single_process(config, checked.batch.micro_batch), USERS_STEPS, root / case / "single")
+        meshyard.run(single, nproc=1, resume="none")
+        layout_runs.append(_for_comparison(config, USERS_STEPS, root / case / "layout"))
+    fit_on_ranks(layout_runs, world_size=2)
+    return {case: compare_runs(root / case / "single", root / case / "layout", report)
+            for case, report in reports.items()}
+
+
+@pytest.mark.parametrize("case", list(USERS_LAYOUTS))
+def test_users_models_pass(users_reports, case):
+    """Models meshyard has never seen (nanoGPT-style, Hugging Face GPT-2 and Llama) train
+    the same under FSDP, tensor and pipeline parallelism as on one process: the verdict
+    ``meshyard verify`` prints, over both runs."""
+    if USERS_LAYOUTS[case][0].startswith("hf_"):
         pytest.importorskip("transformers")
-    code = main(["verify", *TINY, f"--model.name={USER_MODELS}:{model}", *layout, "--nproc", "2", "--steps", "2",
-                 f"--data.cache_dir={tmp_path}"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "PASS" in out and "missing" not in out
+    report = users_reports[case]
+    assert report.passed and not report.missing, report.format()
+    assert len(report.steps) == USERS_STEPS and "PASS" in report.format()
 
 
 def test_mis_split_qkv_fails(tmp_path, capsys):
