@@ -312,12 +312,24 @@ def read_times(name: str, work: Path) -> dict[str, list[float]]:
             "losses": times["losses"]}
 
 
+CONTENDER_TIMEOUT_S = 900
+"""Longest a contender's job may take: minutes for the default job even on a busy machine."""
+
+
 def run_contender(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]:
     """One fresh job; its steady-state step periods and in-step times."""
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     started = time.perf_counter()
-    proc = subprocess.run(command(args, name, work), cwd=work, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(command(args, name, work), cwd=work, env=env, capture_output=True, text=True,
+                              timeout=CONTENDER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        # A job that hangs (a gloo group torn down while its peer still works) must not
+        # hold the whole comparison: it is named, with its last output.
+        output = "".join(part.decode() if isinstance(part, bytes) else part or "" for part in (exc.stdout, exc.stderr))
+        tail = "\n".join(output.splitlines()[-30:])
+        raise SystemExit(f"peers: {name} did not finish in {CONTENDER_TIMEOUT_S} s:\n{tail}") from None
     job_s = time.perf_counter() - started
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
