@@ -1,10 +1,11 @@
 """meshyard's single-device training step against the plain PyTorch loop a user would write.
 
-One process, one device: a nanoGPT-style loop written here by hand (its own model classes,
-AdamW fused on CUDA, bf16 autocast on CUDA, torch.compile of the model, clipping at 1.0,
-``loss.item()`` each step, random batches already on the device) and ``meshyard.run`` of a
-GPT of the same shape (random data, no parallelism, ``train.compile`` as --compile). They
-alternate for --rounds rounds, taking turns to go first, so drift on the machine hits both.
+One device: a nanoGPT-style loop written here by hand (its own model classes, AdamW fused
+on CUDA, bf16 autocast on CUDA, torch.compile of the model, clipping at 1.0, ``loss.item()``
+each step, random batches already on the device) and ``meshyard.run`` of a GPT of the same
+shape (random data, no parallelism, ``train.compile`` as --compile). They alternate for
+--rounds rounds, taking turns to go first, so drift on the machine hits both; each run is a
+fresh process, so neither inherits the other's threads, allocator state or compiled code.
 
 Both are timed in wall time over the steady steps, after --warmup steps (which include
 compilation): the plain loop with perf_counter and a device synchronize, meshyard from its
@@ -15,7 +16,7 @@ the contender that goes second there finds the compiler's caches warm, so read i
 rough figure. On CUDA the result is written to benchmarks/results/gpu-<date>.json; on CPU
 only with --out. On a CPU shared with other work, --threads 1 gives steadier figures.
 
-    python benchmarks/gpu_step.py [--rounds 3] [--steps 30] [--warmup 10] [--no-compile]
+    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
 """
 
@@ -28,6 +29,8 @@ import gc
 import json
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -225,11 +228,17 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--steps", type=int, help="steps per contender per round, warmup included")
     parser.add_argument("--warmup", type=int, help="first steps left out of the timing (compilation)")
-    parser.add_argument("--rounds", type=int, default=3)
+    # Even: each contender goes second as often as first (the second run of a round was
+    # measured 5-10% slower on a shared 2-core machine, whichever it was).
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads of both (default: torch's)")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
+    # Internal: each contender's run is a fresh process, so neither inherits the other's
+    # threads, allocator or compiled code; the driver reads its outcome back.
+    parser.add_argument("--contender", choices=["plain", "meshyard"], help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     wanted = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = torch.device("cpu" if wanted == "auto" else wanted)
@@ -239,6 +248,21 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")
     return args, device
+
+
+OUTCOME_PREFIX = "gpu_step outcome: "
+
+
+def fresh_run(name: str, run_dir: Path) -> Outcome:
+    """One contender's run in a new process with this command's options."""
+    argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--contender", name, "--run-dir",
+            str(run_dir)]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(OUTCOME_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise SystemExit(f"gpu_step: the {name} run failed (exit code {proc.returncode}):\n{tail}")
+    return Outcome(**json.loads(lines[-1].removeprefix(OUTCOME_PREFIX)))
 
 
 def main() -> None:
@@ -255,15 +279,18 @@ def main() -> None:
     peak = catalog_peak(torch.cuda.get_device_name(device), dtype) if cuda else measured_cpu_peak()
     device_name = torch.cuda.get_device_name(device) if cuda else f"CPU, {args.threads} threads"
 
+    if args.contender is not None:
+        outcome = (plain_run(args, device, reference_params) if args.contender == "plain"
+                   else meshyard_run(args, device, args.run_dir))
+        print(OUTCOME_PREFIX + json.dumps(asdict(outcome)), flush=True)
+        return
+
     runs: dict[str, list[Outcome]] = {"plain": [], "meshyard": []}
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
             order = ["plain", "meshyard"] if round_index % 2 == 0 else ["meshyard", "plain"]
             for name in order:
-                if name == "plain":
-                    runs[name].append(plain_run(args, device, reference_params))
-                else:
-                    runs[name].append(meshyard_run(args, device, Path(workdir) / f"round{round_index}"))
+                runs[name].append(fresh_run(name, Path(workdir) / f"{name}{round_index}"))
             plain_tps, ours_tps = runs["plain"][-1].tokens_per_s, runs["meshyard"][-1].tokens_per_s
             print(f"round {round_index + 1} ({order[0]} first): plain {plain_tps:,.0f} tok/s, "
                   f"meshyard {ours_tps:,.0f} tok/s, ratio {ours_tps / plain_tps:.4f}", flush=True)
