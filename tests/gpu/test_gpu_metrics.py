@@ -12,9 +12,11 @@ from meshyard.metrics.timing import PHASES
 
 pytestmark = pytest.mark.gpu
 
-# The phases are CUDA-event intervals inside the host-timed step; what they leave out
-# (Python between phases) is small but not zero, so the parts must add up to the step
-# within 5 % (+ 2 ms), and the uncovered rest stay under a quarter of it.
+# The phases are CUDA-event intervals of a step; its step time is the host's iteration
+# from one settled step to the next. On a GPU the next step is issued before a step is
+# read, so one step's phases and its step time are offset by up to a step: the parts add
+# up to the steps over the steady run within 5 % (+ 2 ms a step), and the uncovered rest
+# stays under a quarter of it.
 SUM_TOLERANCE = 0.05
 
 
@@ -27,15 +29,16 @@ def _records(make_config, strategy: str, *overrides: str) -> list[dict]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_cuda_event_breakdown_adds_up_to_the_step(make_config, strategy):
     records = _records(make_config, strategy)
-    for record in records[2:]:  # the first steps also start CUDA libraries
-        step = record["step_time_s"]
+    steady = records[2:]  # the first steps also start CUDA libraries
+    for record in steady:
         phases = {phase: record[f"{phase}_s"] for phase in PHASES}
         assert all(seconds >= 0 for seconds in phases.values()), record
         assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, record
-        measured = sum(phases.values())
-        assert measured <= step * (1 + SUM_TOLERANCE) + 0.002, record  # no phase outlasts the step
-        assert measured + record["other_s"] == pytest.approx(step, rel=SUM_TOLERANCE, abs=0.002), record
-        assert record["other_s"] < 0.25 * step + 0.002, record
+        assert record["other_s"] == pytest.approx(max(0.0, record["step_time_s"] - sum(phases.values())), abs=1e-9)
+    steps = sum(record["step_time_s"] for record in steady)
+    measured = sum(record[f"{phase}_s"] for record in steady for phase in PHASES)
+    assert measured <= steps * (1 + SUM_TOLERANCE) + 0.002 * len(steady), steady  # no phase outlasts the steps
+    assert sum(record["other_s"] for record in steady) < 0.25 * steps + 0.002 * len(steady), steady
 
 
 def test_nvml_figures_are_this_ranks_gpu(make_config):

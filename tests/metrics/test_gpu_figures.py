@@ -123,7 +123,7 @@ def test_cuda_phases_are_read_after_their_events_complete(monkeypatch):
         ddp_hook(None, None)  # the last gradient bucket is handed to the network
     with timer.phase("comm", where="sync"):
         pass  # the loss read synchronised the host before this phase's end event
-    figures = timer.finish_step()
+    figures = timer.close_step().seconds()
     # Events 2 ms apart: backward 4 ms, of which the 4 ms from the launch to the end of
     # backward's wait are exposed communication, plus the 2 ms of the sync phase.
     assert figures["forward_s"] == pytest.approx(0.002)

@@ -1,8 +1,8 @@
 """Where each step's time goes: data, forward, backward, exposed communication, optimizer.
 
-On CPU the phases are wall-clock intervals; on GPU they are CUDA events, read once per
-step after the step's own synchronisation (the loss all-reduce); reading waits only for
-the events recorded after it, so timing adds no stall inside the step.
+On CPU the phases are wall-clock intervals; on GPU they are CUDA events, kept with the
+step (``PhaseTimes``) and read once its figures have come back to the host, usually
+while the next step runs, so timing adds no stall inside a step.
 
 Communication overlapped with backward costs nothing and is not counted; what is counted
 is the *exposed* part. Under DDP a comm hook records when each gradient bucket is handed
@@ -85,6 +85,35 @@ class FSDPWaitTracker:
         return waited
 
 
+class PhaseTimes:
+    """One step's phase durations, as measured while it ran: seconds on CPU, pairs of
+    CUDA events on GPU that are read only in ``seconds`` (when the step has completed), so
+    a step can be closed while its kernels still run and read one step later."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.allgather_wait = 0.0  # the part of comm that FSDP's forward all-gathers exposed
+        self.events: list[tuple[str, Any, Any]] = []
+        self.exposed_events: list[tuple[Any, Any]] = []
+        self.fsdp = False
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase; with FSDP's wait tracker attached also ``allgather_wait_s``,
+        the part of ``comm_s`` spent waiting for forward all-gathers (a detail of ``comm_s``,
+        not one more phase). On GPU this waits for the step's last timed event."""
+        totals = dict(self.totals)
+        for name, begin, end in self.events:
+            totals[name] += _seconds_between(begin, end)
+        for launch, end in self.exposed_events:
+            exposed = max(0.0, _seconds_between(launch, end))
+            totals["backward"] -= exposed
+            totals["comm"] += exposed
+        figures = {phase_key(phase): value for phase, value in totals.items()}
+        if self.fsdp:
+            figures["allgather_wait_s"] = self.allgather_wait
+        return figures
+
+
 class StepTimer:
     """Accumulates phase durations within one step; ``NullStepTimer`` when switched off."""
 
@@ -96,40 +125,35 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.fsdp = FSDPWaitTracker()
         self.comm = comm or CommTracker(self.cuda)
-        self._totals: dict[str, float] = {}
-        self._allgather_wait = 0.0  # the part of comm that FSDP's forward all-gathers exposed
-        self._events: list[tuple[str, Any, Any]] = []
-        self._exposed_events: list[tuple[Any, Any]] = []
+        self._step = PhaseTimes()
 
     def start_step(self) -> None:
-        self._totals = dict.fromkeys(PHASES, 0.0)
-        self._allgather_wait = 0.0
-        self._events.clear()
-        self._exposed_events.clear()
+        self._step = PhaseTimes()
         self.comm.reset()
 
     def add(self, phase: str, seconds: float) -> None:
-        self._totals[phase] += seconds
+        self._step.totals[phase] += seconds
 
     @contextlib.contextmanager
     def phase(self, name: str, where: str | None = None) -> Iterator[None]:
         """Time ``name``; ``where`` is the position reported to the watchdog (default: name)."""
         self.mark(where or name)
+        step = self._step
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             yield
             end.record()
-            self._events.append((name, begin, end))
+            step.events.append((name, begin, end))
             return
         start = time.perf_counter()
         yield
-        self._totals[name] += time.perf_counter() - start
+        step.totals[name] += time.perf_counter() - start
         if name == "forward":
             waited = self.fsdp.take()  # FSDP all-gather waits inside this forward
-            self._totals["forward"] -= waited
-            self._totals["comm"] += waited
-            self._allgather_wait += waited
+            step.totals["forward"] -= waited
+            step.totals["comm"] += waited
+            step.allgather_wait += waited
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -143,36 +167,26 @@ class StepTimer:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._exposed_events.append((self.comm.last_launch_event, end))
+            self._step.exposed_events.append((self.comm.last_launch_event, end))
         elif self.comm.last_launch is not None:
             exposed = max(0.0, time.perf_counter() - self.comm.last_launch)
-            self._totals["backward"] -= exposed
-            self._totals["comm"] += exposed
+            self._step.totals["backward"] -= exposed
+            self._step.totals["comm"] += exposed
 
-    def finish_step(self) -> dict[str, float]:
-        """Seconds per phase for the step just finished (call after the step synchronised);
-        with FSDP's wait tracker attached also ``allgather_wait_s``, the part of ``comm_s``
-        spent waiting for forward all-gathers (a detail of ``comm_s``, not one more phase)."""
-        for name, begin, end in self._events:
-            self._totals[name] += _seconds_between(begin, end)
-        for launch, end in self._exposed_events:
-            exposed = max(0.0, _seconds_between(launch, end))
-            self._totals["backward"] -= exposed
-            self._totals["comm"] += exposed
-        figures = {phase_key(phase): value for phase, value in self._totals.items()}
-        if self.fsdp.attached:
-            figures["allgather_wait_s"] = self._allgather_wait
-        return figures
+    def close_step(self) -> PhaseTimes:
+        """The step just issued, to be read (``PhaseTimes.seconds``) once it has completed;
+        the next ``start_step`` measures into a fresh one."""
+        self._step.fsdp = self.fsdp.attached
+        return self._step
 
 
 def _seconds_between(begin: Any, end: Any) -> float:
     """Seconds between two recorded CUDA events.
 
-    ``elapsed_time`` fails unless both events have completed, and the step's own
-    synchronisation (the loss read) happens before the last event is recorded (the end
-    of the "comm" phase), so the host waits for both first. The step's work is done by
-    then, so the wait is short; a bucket-launch event may sit on another stream than
-    ``end``, hence the wait on ``begin`` too.
+    ``elapsed_time`` fails unless both events have completed, so the host waits for both
+    first. The Trainer reads a step's phases after its figures came back (usually one
+    step later), so the wait is short or none; a bucket-launch event may sit on another
+    stream than ``end``, hence the wait on ``begin`` too.
     """
     begin.synchronize()
     end.synchronize()
@@ -202,5 +216,13 @@ class NullStepTimer:
         self.mark("backward")
         yield
 
-    def finish_step(self) -> dict[str, float]:
+    def close_step(self) -> PhaseTimes:
+        return _NO_PHASES
+
+
+class _NoPhases(PhaseTimes):
+    def seconds(self) -> dict[str, float]:
         return {}
+
+
+_NO_PHASES = _NoPhases()

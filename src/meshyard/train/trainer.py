@@ -3,6 +3,23 @@
 It receives ready objects (a parallelized model, an optimizer, loaders, sinks) and never
 branches on the parallel strategy; the few places where layouts differ (gradient sync
 on accumulation steps, norms of sharded gradients) are functions of the model itself.
+
+A step is issued (its batch fetched and copied, forward, backward, the agreement
+all-reduce, the update) and then settled (its figures read on the host, recorded,
+acted on). On a GPU the Trainer issues step N+1 before it settles step N, so the
+host never waits for the device inside a steady step: the loss, gradient norm and
+flags come back through one non-blocking copy into pinned memory, read when the next
+step's work is already queued, and the next batch is fetched and copied while the
+current step runs. Steps after which something reads or saves the weights (an
+evaluation, a checkpoint, the last step) are settled before the next is issued, so
+every save and evaluation sees exactly the weights of its step. A preemption signal
+or a time-based save, learnt at a settle, takes effect once nothing is in flight: one
+step later than on CPU, where each step is settled before the next is issued.
+
+Non-finite values: with ``fault.on_nonfinite = 'stop'`` the loss flags and gradient
+norm are checked before the optimizer step (one host synchronisation per step, the
+price of never applying such an update); with 'warn' the step is reported when its
+figures are read and training goes on (fp16's loss scaler skips such updates itself).
 """
 
 from __future__ import annotations
@@ -22,7 +39,7 @@ from meshyard.config.sections import TrainConfig
 from meshyard.data.loader import DataBundle
 from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
-from meshyard.metrics.meter import StepMeter
+from meshyard.metrics.meter import StepMeter, StepReadings
 from meshyard.metrics.records import Sinks
 from meshyard.parallel.parallelize import Parallelized
 from meshyard.runtime.batch_plan import BatchPlan
@@ -75,6 +92,29 @@ class _PendingAgreement(NamedTuple):
     work: dist.Work | None
 
 
+# The figures a step sends back to the host, in this order, as one float64 vector: this
+# rank's loss and the global gradient norm, then the agreement's five entries.
+READOUT = ("local_loss", "grad_norm", "loss_total", "loss_weight", "preempt", "save_now", "nonfinite")
+
+
+@dataclass(frozen=True)
+class IssuedStep:
+    """A step whose work has been issued (on a GPU possibly still running) and whatever
+    its record needs that was known when it was issued."""
+
+    step: int
+    lr: float
+    data_time: float
+    readout: torch.Tensor
+    """``READOUT`` on the host: on a GPU a non-blocking copy, valid once ``ready`` completes."""
+    ready: Any
+    """A CUDA event recorded after that copy; None where the copy is already done."""
+    readings: StepReadings
+    runner_figures: dict[str, Any]
+    compression_figures: dict[str, Any]
+    loss_scale: float | None
+
+
 @dataclass(frozen=True)
 class Optimization:
     """How gradients become parameter updates: the optimizer, its LR schedule, and the
@@ -118,7 +158,7 @@ class Trainer:
 
     def __init__(self, parallelized: Parallelized, runner: StepRunner, optimization: Optimization, feed: Feed,
                  cfg: TrainConfig, services: Services, progress: TrainProgress, on_nonfinite: str = "warn",
-                 facts: dict[str, Any] | None = None) -> None:
+                 facts: dict[str, Any] | None = None, read_ahead: bool | None = None) -> None:
         self.model = parallelized.model
         self.compression = parallelized.compression
         self.layout = parallelized.layout
@@ -141,6 +181,11 @@ class Trainer:
         self._last_eval_loss: float | None = None
         self._checkpoint_stall: float | None = None
         self._outcomes_seen = 0
+        # Whether the next step is issued before the last one's figures are read: where the
+        # device runs behind the host (CUDA), so that the host never waits for it. On CPU
+        # each step is complete when issued and reading ahead only shifts figures.
+        self.read_ahead = self.device.type == "cuda" if read_ahead is None else read_ahead
+        self._period_start = 0.0  # when the iteration of the next step to settle began
 
     def save_checkpoint(self, blocking: bool = False, eval_loss: float | None = None) -> None:
         facts = {"eval_loss": eval_loss, "tokens_seen": self.progress.tokens_seen,
@@ -175,17 +220,6 @@ class Trainer:
         work = dist.all_reduce(flags, async_op=True) if dist.get_world_size() > 1 else None
         return _PendingAgreement(flags, work)
 
-    def _finish_agreement(self, pending: "_PendingAgreement") -> "Agreed":
-        """Wait for the step's agreement; on a GPU also for the step's kernels, so that the
-        step's time covers the optimizer (the all-reduce ran on its own stream)."""
-        if pending.work is not None:
-            pending.work.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        total, weight, preempt, save_now, nonfinite = pending.flags.tolist()
-        mean = total / weight if nonfinite == 0 else float("nan")
-        return Agreed(mean, preempt > 0, save_now > 0, nonfinite > 0)
-
     def _mean_of_losses(self, value: torch.Tensor) -> float:
         """Mean of a per-rank loss over the ranks that compute one (gloo has no AVG).
         Model-parallel peers hold the same value, so the mean is the data-parallel one."""
@@ -201,9 +235,17 @@ class Trainer:
             out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         return out
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, "_PendingAgreement"]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, grad
-        norm, the step's agreement in flight)."""
+    def issue_step(self, step: int) -> IssuedStep:
+        """Issue optimizer step ``step`` over ``grad_accum`` micro-batches: fetch and copy
+        its batch, forward and backward, start the agreement, update the weights, and send
+        its figures back to the host without waiting for them (``settle_step`` reads them)."""
+        self.meter.start_step()
+        self.timer.mark("data", step)  # the step this rank is working on
+        data_start = time.perf_counter()
+        micro_batches = self._next_micro_batches()
+        data_time = time.perf_counter() - data_start
+        self.timer.add("data", data_time)
+        lr = self.scheduler.get_last_lr()[0]
         loss = self.runner.forward_backward(micro_batches)
         with self.timer.phase("comm", where="sync"):
             pending = self._start_agreement(loss)
@@ -212,20 +254,105 @@ class Trainer:
         for phase, seconds in self.runner.phase_split().items():
             self.timer.add(phase, seconds)
         with self.timer.phase("optimizer"):
-            grad_norm = self._optimizer_step()
-        return loss, grad_norm, pending
+            self.precision.scaler.unscale_(self.optimizer)
+            # A pipeline runner names the group its stages span and any parameter counted twice.
+            grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip, self.runner.grad_norm_group,
+                                       self.runner.grad_norm_skip)
+        if self.on_nonfinite == "stop":
+            with self.timer.phase("comm", where="sync"):
+                self._stop_if_nonfinite(step, loss, grad_norm, pending)
+        with self.timer.phase("optimizer"):
+            self._apply_update()
+        with self.timer.phase("comm", where="sync"):
+            readout, ready = self._send_back(loss, grad_norm, pending)
+        scale = self.precision.scaler.get_scale() if self.precision.scaler.is_enabled() else None
+        return IssuedStep(step, lr, data_time, readout, ready, self.meter.close_step(),
+                          self.runner.take_step_stats(), self.compression.take_step_stats(), scale)
 
-    def _optimizer_step(self) -> torch.Tensor:
-        self.precision.scaler.unscale_(self.optimizer)
-        # A pipeline runner names the group its stages span and any parameter counted twice.
-        grad_norm = clip_grad_norm(self.parameters, self.cfg.grad_clip, self.runner.grad_norm_group,
-                                   self.runner.grad_norm_skip)
+    def _apply_update(self) -> None:
         self.checkpoints.wait_staged()  # an async save's copy of the weights is taken before they change
         self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return grad_norm
+
+    def _send_back(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+                   pending: _PendingAgreement) -> tuple[torch.Tensor, Any]:
+        """The step's ``READOUT`` on its way to the host. The agreement was started before
+        the update, so it has overlapped it; on a GPU, waiting for it only orders the
+        device's stream, and the copy lands in pinned memory behind an event."""
+        if pending.work is not None:
+            pending.work.wait()
+        figures = torch.cat([torch.stack([loss.detach().to(torch.float64).reshape(()),
+                                          grad_norm.detach().to(torch.float64).reshape(())]), pending.flags])
+        if figures.device.type != "cuda":
+            return figures, None
+        readout = figures.to("cpu", non_blocking=True)  # into pinned memory, asynchronously
+        ready = torch.cuda.Event()
+        ready.record()
+        return readout, ready
+
+    def _stop_if_nonfinite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+                           pending: _PendingAgreement) -> None:
+        """``on_nonfinite = 'stop'``: read the agreed loss flag and the gradient norm before
+        the update, and stop without applying a non-finite one (waits for the device)."""
+        if pending.work is not None:
+            pending.work.wait()
+        norm = grad_norm.item()
+        if pending.flags[4].item() > 0 or not math.isfinite(norm):
+            self._report_nonfinite(step, loss.item(), norm)
+
+    def settle_step(self, issued: IssuedStep) -> tuple[dict[str, Any], Agreed]:
+        """Read an issued step's figures (waiting for it if it still runs), evaluate if due,
+        and record it; returns its record and what all ranks agreed on."""
+        if issued.ready is not None:
+            issued.ready.synchronize()
+        read = dict(zip(READOUT, issued.readout.tolist()))
+        done = time.perf_counter()
+        # The whole iteration since the last step was settled: its own work, the last
+        # step's records and console line, and fetching its batch.
+        step_time, self._period_start = done - self._period_start, done
+        nonfinite = read["nonfinite"] > 0
+        agreed = Agreed(read["loss_total"] / read["loss_weight"] if not nonfinite else float("nan"),
+                        read["preempt"] > 0, read["save_now"] > 0, nonfinite)
+        step = issued.step
+        self.progress.step = step
+        self.progress.tokens_seen += self.tokens_per_step
+        self.progress.losses.append(agreed.loss)
+        record = {
+            "step": step, "loss": agreed.loss, "lr": issued.lr, "grad_norm": read["grad_norm"],
+            "step_time_s": step_time, "data_time_s": issued.data_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "samples_per_s": self.batch.global_batch / step_time,
+            "tokens_seen": self.progress.tokens_seen, "time": time.time(),
+        }
+        if issued.loss_scale is not None:
+            record["loss_scale"] = issued.loss_scale
+        record.update(issued.runner_figures)  # pipeline idle share, gathered per rank below
+        record.update(self.meter.finish_step(step_time, self.tokens_per_step, issued.readings,
+                                             issued.runner_figures))
+        record.update(issued.compression_figures)
+        if nonfinite or not math.isfinite(record["grad_norm"]):
+            record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
+        if self.meter.gather_due(step):
+            record.update(self.meter.gather() or {})
+        self._last_eval_loss = None
+        if self._should_evaluate(step):
+            self.timer.mark("eval")
+            record["eval_loss"] = self._last_eval_loss = self.evaluate()
+            best = self.progress.best_eval_loss
+            self.progress.best_eval_loss = record["eval_loss"] if best is None else min(best, record["eval_loss"])
+            self._period_start = time.perf_counter()  # evaluation is not the next step's time
+        self.checkpoints.poll()
+        record.update(self._checkpoint_figures())
+        self.sinks.record_step(record, local_loss=read["local_loss"])
+        return record, agreed
+
+    def _may_issue_ahead(self, step: int) -> bool:
+        """Whether step ``step + 1`` may be issued before ``step`` is settled: not when
+        anything reads or saves the weights of ``step`` (evaluation, a checkpoint)."""
+        return (self.read_ahead and step < self.cfg.steps and not self.checkpoints.due(step)
+                and not self._should_evaluate(step))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -247,18 +374,38 @@ class Trainer:
         """
         self.model.train()
         self._train_iter = iter(self.data.train_loader)
-        start = time.perf_counter()
+        start = self._period_start = time.perf_counter()
         self.sinks.display.start(self.progress.step)
+        in_flight: IssuedStep | None = None
+        preempt = time_save = False
         try:
             while self.progress.step < self.cfg.steps:
-                record, preempt, time_save = self._one_step()
+                issued = None
+                next_step = (in_flight.step if in_flight else self.progress.step) + 1
+                if next_step <= self.cfg.steps and not (preempt or time_save) and (
+                        in_flight is None or self._may_issue_ahead(in_flight.step)):
+                    try:
+                        issued = self.issue_step(next_step)
+                    except NonFiniteError:
+                        if in_flight is not None:
+                            self.settle_step(in_flight)  # the step before it is recorded
+                        raise
+                if in_flight is not None:
+                    _, agreed = self.settle_step(in_flight)
+                    preempt, time_save = preempt or agreed.preempt, time_save or agreed.save_now
+                in_flight = issued
+                if in_flight is not None:
+                    continue
+                # Nothing in flight: the weights are those of progress.step.
                 if preempt:
                     self._stop_for_preemption()
                 if time_save or self.checkpoints.due(self.progress.step):
+                    time_save = False
                     self.timer.mark("checkpoint")
                     stall_start = time.perf_counter()
-                    self.save_checkpoint(eval_loss=record.get("eval_loss"))
-                    self._checkpoint_stall = time.perf_counter() - stall_start
+                    self.save_checkpoint(eval_loss=self._last_eval_loss)
+                    self._period_start = time.perf_counter()
+                    self._checkpoint_stall = self._period_start - stall_start
             if self.checkpoints.save_final and self.checkpoints.saved_step != self.progress.step:
                 self.timer.mark("checkpoint")
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
@@ -267,63 +414,19 @@ class Trainer:
             self.sinks.display.stop()
         return self._summary(time.perf_counter() - start)
 
-    def _one_step(self) -> tuple[dict[str, Any], bool, bool]:
-        """Train one step, evaluate if due, record; returns (record, preempt, save now)."""
-        self.meter.start_step()
-        self.timer.mark("data", self.progress.step + 1)  # the step this rank is working on
-        step_start = time.perf_counter()
-        micro_batches = self._next_micro_batches()
-        data_time = time.perf_counter() - step_start
-        self.timer.add("data", data_time)
-        lr = self.scheduler.get_last_lr()[0]
-        loss, grad_norm, pending = self.train_step(micro_batches)
-        with self.timer.phase("comm", where="sync"):
-            agreed = self._finish_agreement(pending)  # also waits for the step to finish
-        step_time = time.perf_counter() - step_start
-        self.progress.step += 1
-        self.progress.tokens_seen += self.tokens_per_step
-        self.progress.losses.append(agreed.loss)
-        record = {
-            "step": self.progress.step, "loss": agreed.loss, "lr": lr, "grad_norm": grad_norm.item(),
-            "step_time_s": step_time, "data_time_s": data_time,
-            "tokens_per_s": self.tokens_per_step / step_time,
-            "samples_per_s": self.batch.global_batch / step_time,
-            "tokens_seen": self.progress.tokens_seen, "time": time.time(),
-        }
-        if self.precision.scaler.is_enabled():
-            record["loss_scale"] = self.precision.scaler.get_scale()
-        runner_figures = self.runner.take_step_stats()  # pipeline idle share, gathered per rank below
-        record.update(runner_figures)
-        record.update(self.meter.finish_step(step_time, self.tokens_per_step, runner_figures))
-        record.update(self.compression.take_step_stats())
-        if agreed.nonfinite or not math.isfinite(record["grad_norm"]):
-            record["nonfinite"] = self._report_nonfinite(loss, record["grad_norm"])
-        if self.meter.gather_due(self.progress.step):
-            record.update(self.meter.gather() or {})
-        self._last_eval_loss = None
-        if self._should_evaluate():
-            self.timer.mark("eval")
-            record["eval_loss"] = self._last_eval_loss = self.evaluate()
-            best = self.progress.best_eval_loss
-            self.progress.best_eval_loss = record["eval_loss"] if best is None else min(best, record["eval_loss"])
-        self.checkpoints.poll()
-        record.update(self._checkpoint_figures())
-        self.sinks.record_step(record, local_loss=loss.item())
-        return record, agreed.preempt, agreed.save_now
-
-    def _report_nonfinite(self, loss: torch.Tensor, grad_norm: float) -> list[dict[str, Any]]:
+    def _report_nonfinite(self, step: int, local_loss: float, grad_norm: float) -> list[dict[str, Any]]:
         """Name the ranks with a NaN/inf loss (rare path: one object all-gather)."""
-        local = [] if math.isfinite(loss.item()) else [{"rank": dist.get_rank(), "what": "loss",
-                                                         "value": str(loss.item())}]
+        local = [] if math.isfinite(local_loss) else [{"rank": dist.get_rank(), "what": "loss",
+                                                        "value": str(local_loss)}]
         gathered: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, local)
         found = [entry for entries in gathered for entry in entries]
         if not math.isfinite(grad_norm):
             found.append({"rank": "all", "what": "gradient norm", "value": str(grad_norm)})
         where = "; ".join(f"{e['what']} {e['value']} on rank {e['rank']}" for e in found)
-        self.sinks.warn(f"non-finite values at step {self.progress.step}: {where}")
+        self.sinks.warn(f"non-finite values at step {step}: {where}")
         if self.on_nonfinite == "stop":
-            raise NonFiniteError(f"non-finite values at step {self.progress.step}: {where}; stopping "
+            raise NonFiniteError(f"non-finite values at step {step}: {where}; stopping before its update "
                                  "(fault.on_nonfinite = 'stop'). Lower optim.lr, check the data, or use fp32.")
         return found
 
@@ -356,10 +459,9 @@ class Trainer:
         first = min((at for _, at in received if at is not None), default=None)
         raise Preempted(self.progress.step, signal_name, committed, first)
 
-    def _should_evaluate(self) -> bool:
+    def _should_evaluate(self, step: int) -> bool:
         if not self.cfg.eval_every or self.data.val_dataset is None:
             return False
-        step = self.progress.step
         return step % self.cfg.eval_every == 0 or step == self.cfg.steps
 
     def _summary(self, wall_time: float) -> dict[str, Any]:
