@@ -247,7 +247,8 @@ class FaultConfig:
         "raise it when ranks may legitimately wait longer, e.g. verifying large checkpoints on slow storage.",
     )
     on_nonfinite: Literal["warn", "stop"] = option(
-        "warn", "A NaN/inf loss or gradient norm: 'warn' (report step and rank, go on) or 'stop' the run."
+        "warn", "A NaN/inf loss or gradient norm: 'warn' (report step and rank, keep the update, go on) or 'stop' "
+        "the run before that update is applied (checked before each optimizer step: one host sync per step on GPUs)."
     )
 
 
