@@ -71,3 +71,21 @@ def test_eval_indices_disjoint_across_ranks_and_fixed():
     flat_a, flat_b = set(itertools.chain(*a)), set(itertools.chain(*b))
     assert not flat_a & flat_b and len(flat_a) == 12
     assert a == eval_indices(100, 4, 3, 0, 2)
+
+
+def test_a_batched_fetch_of_token_windows_is_the_collated_windows():
+    """The loader fetches a micro-batch of windows in one gather; it holds exactly what
+    collating the windows one by one gives, whatever the token file's integer type."""
+    import numpy as np
+    import torch
+
+    from meshyard.data.loader import TokenWindows
+
+    tokens = (np.arange(1000) * 7 % 65521).astype(np.uint16)
+    windows = TokenWindows(tokens, seq_len=16, first=3, count=50)
+    indices = [4, 0, 49, 17]
+    inputs, targets = windows.__getitems__(indices)
+    expected = torch.utils.data.default_collate([windows[i] for i in indices])
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert inputs.is_contiguous() and targets.is_contiguous()
+    assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])

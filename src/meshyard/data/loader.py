@@ -36,6 +36,20 @@ class TokenWindows(Dataset):
         window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
         return window[:-1], window[1:]
 
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole micro-batch in one gather: what the loader fetches instead of one window
+        at a time and a collate (``collate_batch`` passes it through). The same tensors as
+        stacking ``self[i]`` for each index."""
+        starts = (self.first + np.asarray(indices, dtype=np.int64)) * self.seq_len
+        windows = torch.from_numpy(np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)],
+                                              dtype=np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def collate_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's collate for ``TokenWindows``, whose batched fetch is already a batch."""
+    return batch
+
 
 @dataclass
 class DataBundle:
@@ -106,6 +120,8 @@ def build_data(
     # A private generator: creating a loader iterator draws a seed from it, and drawing
     # from the global RNG instead would shift dropout masks after a resume.
     generator = torch.Generator().manual_seed(seed + dp_rank)
+    if isinstance(train, TokenWindows):
+        extra["collate_fn"] = collate_batch
     loader = DataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
                         pin_memory=pins_memory(device), **extra)
     return DataBundle(loader, val, vocab, description, len(train))

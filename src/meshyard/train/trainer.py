@@ -86,15 +86,19 @@ class Agreed:
 
 
 class _PendingAgreement(NamedTuple):
-    """The step's agreement all-reduce in flight (``work`` is None on one rank)."""
+    """The step's agreement all-reduce in flight (``work`` is None on one rank): this rank's
+    loss, and the flags being summed over the ranks (``READOUT[2:]``)."""
 
+    local_loss: torch.Tensor
     flags: torch.Tensor
     work: dist.Work | None
 
 
 # The figures a step sends back to the host, in this order, as one float64 vector: this
-# rank's loss and the global gradient norm, then the agreement's five entries.
-READOUT = ("local_loss", "grad_norm", "loss_total", "loss_weight", "preempt", "save_now", "nonfinite")
+# rank's loss and the global gradient norm, then the agreement's sums: the loss over the
+# ranks that compute one (NaN or inf when any of them is not finite), their number, and
+# the ranks that saw a preemption signal or (rank 0) found a time-based save due.
+READOUT = ("local_loss", "grad_norm", "loss_total", "loss_weight", "preempt", "save_now")
 
 
 @dataclass(frozen=True)
@@ -203,22 +207,21 @@ class Trainer:
     def _start_agreement(self, loss: torch.Tensor) -> "_PendingAgreement":
         """Start the one all-reduce per step that carries the loss and the facts every rank
         must agree on: a preemption signal seen by any rank, rank 0's clock asking for a
-        time-based checkpoint, and whether any rank's loss is not finite.
+        time-based checkpoint, and (a NaN or inf in the sum) whether any rank's loss is not
+        finite.
 
         It is started before the optimizer step and read after it, so it overlaps the
         step instead of adding a blocking collective to it. The flags are built on the
-        loss's device without reading the loss, so nothing waits for the backward here.
+        loss's device without reading the loss, so nothing waits for the backward here;
+        the host's entries travel in one non-blocking copy (from pinned memory on a GPU).
         """
-        value = loss.detach().to(torch.float64).reshape(())
-        finite = torch.isfinite(value)
-        weight = float(self.runner.holds_loss)
-        flags = torch.stack([
-            torch.where(finite, value * weight, torch.zeros_like(value)), value.new_full((), weight),
-            value.new_full((), float(self.preemption.requested)),
-            value.new_full((), float(self.checkpoints.time_due())), (~finite).to(torch.float64),
-        ])
+        local = loss.detach().to(torch.float64).reshape(1)
+        holds_loss = self.runner.holds_loss
+        host = torch.tensor([float(holds_loss), float(self.preemption.requested), float(self.checkpoints.time_due())],
+                            dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        flags = torch.cat([local if holds_loss else torch.zeros_like(local), host.to(self.device, non_blocking=True)])
         work = dist.all_reduce(flags, async_op=True) if dist.get_world_size() > 1 else None
-        return _PendingAgreement(flags, work)
+        return _PendingAgreement(local, flags, work)
 
     def _mean_of_losses(self, value: torch.Tensor) -> float:
         """Mean of a per-rank loss over the ranks that compute one (gloo has no AVG).
@@ -264,7 +267,7 @@ class Trainer:
         with self.timer.phase("optimizer"):
             self._apply_update()
         with self.timer.phase("comm", where="sync"):
-            readout, ready = self._send_back(loss, grad_norm, pending)
+            readout, ready = self._send_back(grad_norm, pending)
         scale = self.precision.scaler.get_scale() if self.precision.scaler.is_enabled() else None
         return IssuedStep(step, lr, data_time, readout, ready, self.meter.close_step(),
                           self.runner.take_step_stats(), self.compression.take_step_stats(), scale)
@@ -276,15 +279,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def _send_back(self, loss: torch.Tensor, grad_norm: torch.Tensor,
-                   pending: _PendingAgreement) -> tuple[torch.Tensor, Any]:
+    def _send_back(self, grad_norm: torch.Tensor, pending: _PendingAgreement) -> tuple[torch.Tensor, Any]:
         """The step's ``READOUT`` on its way to the host. The agreement was started before
         the update, so it has overlapped it; on a GPU, waiting for it only orders the
         device's stream, and the copy lands in pinned memory behind an event."""
         if pending.work is not None:
             pending.work.wait()
-        figures = torch.cat([torch.stack([loss.detach().to(torch.float64).reshape(()),
-                                          grad_norm.detach().to(torch.float64).reshape(())]), pending.flags])
+        figures = torch.cat([pending.local_loss, grad_norm.detach().to(torch.float64).reshape(1), pending.flags])
         if figures.device.type != "cuda":
             return figures, None
         readout = figures.to("cpu", non_blocking=True)  # into pinned memory, asynchronously
@@ -299,7 +300,7 @@ class Trainer:
         if pending.work is not None:
             pending.work.wait()
         norm = grad_norm.item()
-        if pending.flags[4].item() > 0 or not math.isfinite(norm):
+        if not math.isfinite(pending.flags[0].item()) or not math.isfinite(norm):
             self._report_nonfinite(step, loss.item(), norm)
 
     def settle_step(self, issued: IssuedStep) -> tuple[dict[str, Any], Agreed]:
@@ -312,7 +313,7 @@ class Trainer:
         # The whole iteration since the last step was settled: its own work, the last
         # step's records and console line, and fetching its batch.
         step_time, self._period_start = done - self._period_start, done
-        nonfinite = read["nonfinite"] > 0
+        nonfinite = not math.isfinite(read["loss_total"])
         agreed = Agreed(read["loss_total"] / read["loss_weight"] if not nonfinite else float("nan"),
                         read["preempt"] > 0, read["save_now"] > 0, nonfinite)
         step = issued.step
