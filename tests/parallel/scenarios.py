@@ -70,4 +70,4 @@ def pipeline_stats(rank: int, world_size: int) -> dict:
     tokens = torch.randint(0, shape.vocab_size, (8, 16))
     for _ in range(2):
         runner.forward_backward([(tokens, tokens)])
-    return runner.take_step_stats()
+    return runner.step_figures().read()[0]

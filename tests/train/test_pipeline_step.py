@@ -112,8 +112,12 @@ def test_stage_clock_uses_cuda_events_on_gpu(monkeypatch):
     stage.forward_one_chunk()
     stage.backward_one_chunk()
     gpu_time[0] += 0.5  # waiting for a neighbour: wall time, not compute
-    assert clock.settle() == pytest.approx(0.5)
-    assert clock.elapsed(start, clock.now()) == pytest.approx(1.0)
+    end = clock.now()
+    seconds, pending = clock.take()
+    assert seconds == 0.0 and len(pending) == 2 and not synchronized  # taken without waiting for the GPU
+    assert sum(clock.elapsed(begin, finish) for begin, finish in pending) == pytest.approx(0.5)
+    assert clock.elapsed(start, end) == pytest.approx(1.0)
+    assert clock.take() == (0.0, [])
 
 
 def test_stage_clock_uses_wall_time_on_cpu(monkeypatch):
@@ -124,5 +128,6 @@ def test_stage_clock_uses_wall_time_on_cpu(monkeypatch):
     clock.wrap(stage)
     start = clock.now()
     stage.forward_one_chunk()
-    assert 0.05 <= clock.settle() < 1.0
-    assert clock.elapsed(start, clock.now()) >= clock.seconds
+    seconds, pending = clock.take()
+    assert 0.05 <= seconds < 1.0 and pending == []
+    assert clock.elapsed(start, clock.now()) >= seconds

@@ -97,6 +97,9 @@ class PhaseTimes:
         self.exposed_events: list[tuple[Any, Any]] = []
         self.fsdp = False
 
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] += seconds
+
     def seconds(self) -> dict[str, float]:
         """Seconds per phase; with FSDP's wait tracker attached also ``allgather_wait_s``,
         the part of ``comm_s`` spent waiting for forward all-gathers (a detail of ``comm_s``,
@@ -132,7 +135,7 @@ class StepTimer:
         self.comm.reset()
 
     def add(self, phase: str, seconds: float) -> None:
-        self._step.totals[phase] += seconds
+        self._step.add(phase, seconds)
 
     @contextlib.contextmanager
     def phase(self, name: str, where: str | None = None) -> Iterator[None]:
@@ -221,6 +224,8 @@ class NullStepTimer:
 
 
 class _NoPhases(PhaseTimes):
+    def add(self, phase: str, seconds: float) -> None: ...
+
     def seconds(self) -> dict[str, float]:
         return {}
 

@@ -38,7 +38,7 @@ from meshyard.parallel.compile import Compilation, compiled_graphs
 from meshyard.parallel.pipeline import PipelinedModel, sync_tied_grads
 from meshyard.train.loss import next_token_loss
 from meshyard.train.precision import Precision
-from meshyard.train.step import Batch
+from meshyard.train.step import Batch, RunnerFigures
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -61,7 +61,7 @@ class StageClock:
 
     On CPU a chunk's time is the wall-clock time of its call. On GPU the call only
     queues kernels, so each chunk is bracketed by CUDA events on the compute stream
-    instead; they are read in ``settle`` after the last one has completed.
+    instead; they are read with the step's figures, once its last one has completed.
     """
 
     def __init__(self, cuda: bool) -> None:
@@ -93,12 +93,12 @@ class StageClock:
         end.synchronize()  # elapsed_time needs both events to have completed
         return start.elapsed_time(end) / 1000.0
 
-    def settle(self) -> float:
-        """Total chunk seconds so far, including chunks whose events were still pending."""
-        for start, end in self._pending:
-            self.seconds += self.elapsed(start, end)
-        self._pending.clear()
-        return self.seconds
+    def take(self) -> tuple[float, list[tuple[Any, Any]]]:
+        """The chunk seconds added up since the last take, and (on GPU) the event pairs of
+        the chunks, still to be read with ``elapsed``; the clock starts again from zero."""
+        seconds, pending = self.seconds, self._pending
+        self.seconds, self._pending = 0.0, []
+        return seconds, pending
 
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -146,7 +146,7 @@ class PipelineStep:
             self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
         else:
             self.schedule = cls(stages, microbatches, loss_fn=self._loss, scale_grads=False)
-        self._stats: dict[str, float] = {}
+        self._figures = RunnerFigures()
         self._steps, self._total_compute, self._total_wall = 0, 0.0, 0.0
 
     @property
@@ -186,23 +186,31 @@ class PipelineStep:
         # without the loss, which the Trainer's unscale_ needs there too.
         scale = self.precision.scaler.scale(torch.ones((), device=self.device))
         self._loss_factor = scale / (self.microbatches * accum)
-        compute_start = self.clock.settle()
+        self.clock.take()  # chunks of evaluations since the last step are not this step's
         start = self.clock.now()
         loss_sum = torch.zeros((), device=self.device)
         for inputs, targets in micro_batches:
             loss_sum += self._run(inputs, targets, train=True)
         sync_tied_grads(self.model, self.tied_group)
-        wall = self.clock.elapsed(start, self.clock.now())
-        compute = self.clock.settle() - compute_start
-        self._stats = {
+        self._figures = _PipelineFigures(self, start, self.clock.now(), *self.clock.take())
+        return loss_sum / accum
+
+    def figures_of(self, compute: float, wall: float) -> tuple[dict[str, float], dict[str, float]]:
+        """A step's record figures and phase split from its measured compute and wall time.
+        The schedule interleaves forward and backward, so compute is split 1:2 (their FLOP
+        ratio); time the stage spent waiting for its neighbours (the bubble and transfers)
+        counts as exposed communication."""
+        stats = {
             "pp_compute_s": compute, "pp_wall_s": wall,
             "pp_idle_fraction": max(0.0, 1.0 - compute / wall) if wall > 0 else 0.0,
             "pp_bubble_theory": theoretical_bubble(self.pp, self.microbatches, self.virtual_stages),
         }
-        self._log_summary(compute, wall)
-        return loss_sum / accum
+        if self.compilation.enabled:
+            stats["compiled_graphs"] = compiled_graphs()
+        self._log_summary(compute, wall, stats["pp_bubble_theory"])
+        return stats, {"forward": compute / 3, "backward": 2 * compute / 3, "comm": max(0.0, wall - compute)}
 
-    def _log_summary(self, compute: float, wall: float) -> None:
+    def _log_summary(self, compute: float, wall: float, bubble_theory: float) -> None:
         """Every ``SUMMARY_EVERY`` steps, this rank's idle share so far (first step, which
         also infers shapes, left out) goes to its log beside the theoretical bubble."""
         self._steps += 1
@@ -213,26 +221,34 @@ class PipelineStep:
             logging.getLogger(f"meshyard.rank{dist.get_rank()}").info(
                 "pipeline: stages %s, %s x %d micro-batches: idle %.1f%% of step time measured, %.1f%% theoretical "
                 "bubble", [index for index, _ in self.model.stages], type(self.schedule).__name__, self.microbatches,
-                100 * (1 - self._total_compute / self._total_wall), 100 * self._stats["pp_bubble_theory"])
+                100 * (1 - self._total_compute / self._total_wall), 100 * bubble_theory)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self._loss_factor = 1.0
         return self._run(inputs, targets, train=False)
 
-    def phase_split(self) -> dict[str, float]:
-        """The last step's time in the Trainer's phases. The schedule interleaves forward
-        and backward, so measured compute is split 1:2 (their FLOP ratio); time the stage
-        spent waiting for its neighbours (the bubble and transfers) counts as exposed
-        communication."""
-        if not self._stats:
-            return {}
-        compute, wall = self._stats["pp_compute_s"], self._stats["pp_wall_s"]
-        return {"forward": compute / 3, "backward": 2 * compute / 3, "comm": max(0.0, wall - compute)}
+    def step_figures(self) -> RunnerFigures:
+        """This rank's pipeline figures of the last step (measured idle share vs theory) and
+        its phase split; on GPU read from CUDA events when the step has completed."""
+        figures, self._figures = self._figures, RunnerFigures()
+        return figures
 
-    def take_step_stats(self) -> dict[str, float]:
-        """This rank's pipeline figures of the last step (measured idle share vs theory)."""
-        stats, self._stats = self._stats, {}
-        if self.compilation.enabled:
-            stats["compiled_graphs"] = compiled_graphs()
-        return stats
+
+class _PipelineFigures(RunnerFigures):
+    """A pipeline step's figures: its wall time (``start`` to ``end``) and the chunks'
+    compute time, read (on GPU from CUDA events, waiting for the last) when asked."""
+
+    def __init__(self, runner: PipelineStep, start: Any, end: Any, seconds: float,
+                 pending: list[tuple[Any, Any]]) -> None:
+        super().__init__()
+        self._runner, self._start, self._end, self._seconds, self._pending = runner, start, end, seconds, pending
+        self._read: tuple[dict[str, float], dict[str, float]] | None = None
+
+    def read(self) -> tuple[dict[str, float], dict[str, float]]:
+        if self._read is None:
+            clock = self._runner.clock
+            wall = clock.elapsed(self._start, self._end)
+            compute = self._seconds + sum(clock.elapsed(begin, end) for begin, end in self._pending)
+            self._read = self._runner.figures_of(compute, wall)
+        return self._read

@@ -62,15 +62,23 @@ class StepRunner(Protocol):
         """Loss of one batch without gradients."""
         ...
 
-    def take_step_stats(self) -> dict[str, float]:
-        """Figures of the step just run for its record (pipelines: stage idle time)."""
+    def step_figures(self) -> "RunnerFigures":
+        """What the runner measured of the step just issued, to read once it completed."""
         ...
 
-    def phase_split(self) -> dict[str, float]:
-        """The last step's seconds per breakdown phase, for runners whose forward and
-        backward cannot be timed apart (a schedule interleaves them); {} when the runner
-        timed its phases itself."""
-        ...
+
+class RunnerFigures:
+    """A runner's figures of one step: read when the step has completed (on a GPU its
+    timings are CUDA events until then), so that taking them costs the issuing host no wait."""
+
+    def __init__(self, stats: dict[str, float] | None = None, split: dict[str, float] | None = None) -> None:
+        self._stats, self._split = stats or {}, split or {}
+
+    def read(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(figures for the step's record, e.g. a pipeline stage's idle share; seconds per
+        breakdown phase for runners whose forward and backward cannot be timed apart, as a
+        schedule interleaves them, or {} when the runner timed its phases itself)."""
+        return self._stats, self._split
 
 
 class MicroBatchStep:
@@ -146,8 +154,6 @@ class MicroBatchStep:
         with self.precision.autocast(), self.loss_context():
             return _local(self._eager_forward_loss(inputs, targets))
 
-    def take_step_stats(self) -> dict[str, float]:
-        return {"compiled_graphs": compiled_graphs()} if self.compilation.enabled else {}
-
-    def phase_split(self) -> dict[str, float]:
-        return {}  # forward and backward were timed as they ran
+    def step_figures(self) -> RunnerFigures:
+        # Forward and backward were timed as they ran: no split of their own.
+        return RunnerFigures({"compiled_graphs": compiled_graphs()} if self.compilation.enabled else {})

@@ -45,7 +45,7 @@ from meshyard.parallel.parallelize import Parallelized
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.train.precision import Precision
 from meshyard.train.state import TrainProgress
-from meshyard.train.step import Batch, StepRunner
+from meshyard.train.step import Batch, RunnerFigures, StepRunner
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
@@ -114,7 +114,7 @@ class IssuedStep:
     ready: Any
     """A CUDA event recorded after that copy; None where the copy is already done."""
     readings: StepReadings
-    runner_figures: dict[str, Any]
+    runner_figures: RunnerFigures
     compression_figures: dict[str, Any]
     loss_scale: float | None
 
@@ -252,10 +252,6 @@ class Trainer:
         loss = self.runner.forward_backward(micro_batches)
         with self.timer.phase("comm", where="sync"):
             pending = self._start_agreement(loss)
-        # Runners that cannot time forward and backward apart (a pipeline schedule
-        # interleaves them) report their step's split instead.
-        for phase, seconds in self.runner.phase_split().items():
-            self.timer.add(phase, seconds)
         with self.timer.phase("optimizer"):
             self.precision.scaler.unscale_(self.optimizer)
             # A pipeline runner names the group its stages span and any parameter counted twice.
@@ -269,8 +265,8 @@ class Trainer:
         with self.timer.phase("comm", where="sync"):
             readout, ready = self._send_back(grad_norm, pending)
         scale = self.precision.scaler.get_scale() if self.precision.scaler.is_enabled() else None
-        return IssuedStep(step, lr, data_time, readout, ready, self.meter.close_step(),
-                          self.runner.take_step_stats(), self.compression.take_step_stats(), scale)
+        return IssuedStep(step, lr, data_time, readout, ready, self.meter.close_step(), self.runner.step_figures(),
+                          self.compression.take_step_stats(), scale)
 
     def _apply_update(self) -> None:
         self.checkpoints.wait_staged()  # an async save's copy of the weights is taken before they change
@@ -329,9 +325,13 @@ class Trainer:
         }
         if issued.loss_scale is not None:
             record["loss_scale"] = issued.loss_scale
-        record.update(issued.runner_figures)  # pipeline idle share, gathered per rank below
-        record.update(self.meter.finish_step(step_time, self.tokens_per_step, issued.readings,
-                                             issued.runner_figures))
+        runner_figures, split = issued.runner_figures.read()
+        record.update(runner_figures)  # pipeline idle share, gathered per rank below
+        # Runners that cannot time forward and backward apart (a pipeline schedule
+        # interleaves them) report their step's split instead.
+        for phase, seconds in split.items():
+            issued.readings.phases.add(phase, seconds)
+        record.update(self.meter.finish_step(step_time, self.tokens_per_step, issued.readings, runner_figures))
         record.update(issued.compression_figures)
         if nonfinite or not math.isfinite(record["grad_norm"]):
             record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
