@@ -72,13 +72,13 @@ import meshyard
 from meshyard.config.sections import ServeConfig
 from meshyard.export.exporter import ExportRequest, export_model
 from meshyard.export.parity import held_out
+from meshyard.inference.decoding import decode_step, prefill
+from meshyard.inference.engine import EagerEngine, Engine, generate_by_recomputing
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.sampling import Sampling
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
 from meshyard.serve.batching import DynamicBatcher
 from meshyard.serve.continuous import ContinuousBatcher
-from meshyard.serve.decoding import decode_step, prefill
-from meshyard.serve.engine import EagerEngine, Engine, generate_by_recomputing
-from meshyard.serve.loading import describe, load_engine
-from meshyard.serve.types import Sampling
 
 QUICK = {  # --quick: small enough to smoke-run in well under a minute
     "export_model": "gpt-tiny", "seq_len": 64, "train_steps": 15, "repeats": 2, "kv_model": "gpt-tiny",

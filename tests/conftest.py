@@ -12,6 +12,9 @@ from meshyard.config.sections import Config
 from meshyard.runtime.distributed import shutdown_distributed
 from meshyard.validate import with_local_nproc
 
+# Trained runs that the inference, serving and export tests share (session fixtures, built on first use).
+pytest_plugins = ["tests.trained_runs"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` are skipped, not failed, where torch sees no CUDA device."""

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pytest
+
 import meshyard
 
 SRC = Path(meshyard.__file__).resolve().parent
@@ -118,6 +120,90 @@ def test_a_worker_loads_no_planner_module():
                 for line, name in imports(path, module_level_only=True) if _within(name, "meshyard.plan")]
     assert not planner, (f"importing meshyard.worker loads {', '.join(planner)}; pulled in by:\n"
                          + "\n".join(culprits or ["(an import below module level: see the modules above)"]))
+
+
+# What runs a trained model, in layers, lowest first (docs/architecture.md). A package of a
+# row imports nothing from a later row, nor from the other packages of its own row; the
+# last row (entry points, launchers and the tools that read whole runs) is only a target.
+MODEL_LAYERS: list[tuple[str, ...]] = [
+    ("inference",),
+    ("serve", "export"),
+    ("cli", "api", "worker", "validate", "launch", "bench", "verify", "doctor", "plan"),
+]
+
+
+def _above(package: str) -> list[str]:
+    """The packages ``package`` of ``MODEL_LAYERS`` may not import: every later row, and
+    the other packages of its own row."""
+    row = next(i for i, layer in enumerate(MODEL_LAYERS) if package in layer)
+    return [other for layer in MODEL_LAYERS[row:] for other in layer if other != package]
+
+
+@pytest.mark.parametrize("package", [p for layer in MODEL_LAYERS[:-1] for p in layer])
+def test_model_packages_import_only_the_layers_below_them(package):
+    above = [f"meshyard.{other}" for other in _above(package)]
+    found = offending_imports(package, lambda name: any(_within(name, other) for other in above))
+    assert not found, f"{package}/ may not import {', '.join(above)}:\n" + "\n".join(found)
+
+
+def test_serve_and_export_never_import_each_other():
+    assert "export" in _above("serve") and "serve" in _above("export")
+
+
+def test_inference_stands_below_serve_export_and_the_training_loop():
+    assert {"serve", "export", "cli", "api", "worker"} <= set(_above("inference"))
+    found = offending_imports("inference", lambda name: _within(name, "meshyard.train"))
+    assert not found, "inference/ runs a trained model, without the training loop:\n" + "\n".join(found)
+
+
+def _module_of(name: str) -> str | None:
+    """The meshyard module an imported name lies in (``meshyard.a.b.C`` -> ``meshyard.a.b``)."""
+    parts = name.split(".")
+    while parts and not _source_of(".".join(parts)):
+        parts.pop()
+    return ".".join(parts) or None
+
+
+def import_circles(packages: list[str]) -> list[list[str]]:
+    """Circles among the modules of ``src/meshyard/<package>`` for each of ``packages``,
+    counting imports at any depth (a late import hides a circle only from Python)."""
+    graph: dict[str, set[str]] = {}
+    for package in packages:
+        for path in sorted((SRC / package).rglob("*.py")):
+            graph[_module_name(path)] = {module for _, name in imports(path) if _within(name, "meshyard")
+                                         and (module := _module_of(name)) and module != _module_name(path)}
+    circles, done = [], set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            circles.append(trail[trail.index(module):] + [module])
+            return
+        if module in done or module not in graph:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return circles
+
+
+def test_no_import_circle_among_the_model_packages():
+    circles = import_circles(["inference", "serve", "export"])
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_rule_sees_a_circle_hidden_in_a_function(tmp_path, monkeypatch):
+    package = tmp_path / "meshyard" / "pkg"
+    package.mkdir(parents=True)
+    (tmp_path / "meshyard" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from meshyard.pkg.b import g\n")
+    (package / "b.py").write_text("def g():\n    from meshyard.pkg import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "meshyard")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_circles(["pkg"]) == [["meshyard.pkg.a", "meshyard.pkg.b", "meshyard.pkg.a"]]
 
 
 MAX_FUNCTION_LINES = 60

@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 
 from meshyard.config.dump import config_to_toml
-from meshyard.config.load import ConfigError, config_from_dict, load_config, parse_override
-from meshyard.config.sections import SECTIONS, Config
+from meshyard.config.checks import section_problems
+from meshyard.config.load import ConfigError, config_from_dict, load_config, load_section, parse_override
+from meshyard.config.sections import SECTIONS, Config, ServeConfig
 
 
 def write(tmp_path, text: str):
@@ -109,3 +110,22 @@ def test_config_recorded_before_a_key_was_retired_still_loads(tmp_path):
     assert cfg.data.seq_len == 64
     with pytest.raises(ConfigError, match="unknown key 'data.tokenizer'"):
         load_config(write(tmp_path, "[data]\ntokenizer = 'bpe'\n"))
+
+
+def test_one_section_is_read_alone_from_its_table_and_overrides(tmp_path):
+    path = tmp_path / "cfg.toml"
+    path.write_text("[serve]\nport = 9000\nmax_queue = 8\n\n[train]\nsteps = 'not checked here'\n")
+    serve = load_section("serve", path, ["--serve.max_queue=16"])
+    assert serve == ServeConfig(port=9000, max_queue=16)
+    assert load_section("serve") == ServeConfig()
+
+
+def test_a_section_read_alone_reports_every_problem_at_once(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_section("serve", None, ["--serve.max_quue=3", "--serve.port=abc", "--train.steps=3"])
+    problems = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 3
+    assert "did you mean 'max_queue'" in problems and "serve.port = 'abc' should be int" in problems
+    assert "--train.steps sets [train], but only [serve] is read here" in problems
+    assert section_problems("serve", ServeConfig(max_queue=0)) == ["serve.max_queue = 0 must be at least 1"]
+

@@ -19,10 +19,10 @@ import torch
 from meshyard.export import cli as export_cli
 from meshyard.export.exporter import ExportRefused, ExportRequest, check_int8_loss, check_parity
 from meshyard.export.parity import compare, held_out
-from meshyard.export.quantize import (int8_entries, linears_to_quantize, quantize_linears, quantized_linears,
-                                      set_int8_entries)
-from meshyard.serve.loading import describe, load_engine
-from tests.serve.conftest import CORPUS_TEXT, train
+from meshyard.export.quantize import linears_to_quantize, quantize_linears
+from meshyard.inference.int8 import int8_entries, quantized_linears, set_int8_entries
+from meshyard.inference.loading import describe, load_engine
+from tests.trained_runs import CORPUS_TEXT, train
 
 FILES = {"safetensors": "model.safetensors", "torchscript": "model.pt", "onnx": "model.onnx"}
 

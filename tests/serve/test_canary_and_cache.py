@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from meshyard.serve.loading import describe, load_engine
-from meshyard.serve.types import Sampling
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.sampling import Sampling
 from tests.serve.redis import start_redis
 from tests.serve.servers import ServerProcess, concurrently, running_servers
 

@@ -8,12 +8,13 @@ from typing import Awaitable, Callable, TypeVar
 import pytest
 import torch
 
+from meshyard.inference.engine import EagerEngine, generate_by_recomputing
+from meshyard.inference.sampling import Sampling
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.models.mlp import MLP
 from meshyard.serve.batching import ClientDisconnected
 from meshyard.serve.continuous import ContinuousBatcher
-from meshyard.serve.engine import EagerEngine, generate_by_recomputing
-from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, Sampling, Unavailable
+from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, Unavailable
 
 VOCAB, CONTEXT = 64, 64
 HANG_GUARD_S = 30.0  # far beyond any scenario here; reaching it means the batcher hung

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from meshyard.serve.loading import ModelSource
+from meshyard.inference.source import ModelSource
 from meshyard.serve.metrics import ServeMetrics
 from meshyard.serve.model_cache import ModelCache
 from meshyard.serve.types import Unavailable

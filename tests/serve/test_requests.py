@@ -9,11 +9,12 @@ from typing import AsyncIterator
 import pytest
 
 from meshyard.config.sections import ServeConfig
-from meshyard.serve.loading import ModelSource
+from meshyard.inference.sampling import Sampling
+from meshyard.inference.source import ModelSource
+from meshyard.inference.tokenizer import ByteTokenizer
 from meshyard.serve.requests import (GenerateCall, LogitsCall, parse_generate, parse_json, parse_logits,
                                      read_body)
-from meshyard.serve.tokenizer import ByteTokenizer
-from meshyard.serve.types import BadRequest, Sampling
+from meshyard.serve.types import BadRequest
 
 TEXT_MODEL = ModelSource(path="runs/tiny", name="tiny", version="step-3.abcdef", vocab_size=256, context_length=64,
                          tokenizer=ByteTokenizer(), estimated_bytes=1000, config=None)

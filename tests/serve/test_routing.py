@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from meshyard.serve.loading import ModelSource
+from meshyard.inference.source import ModelSource
 from meshyard.serve.routing import RouteError, Router
 from meshyard.serve.types import NotFound
 

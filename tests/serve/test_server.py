@@ -17,12 +17,12 @@ import httpx
 import pytest
 import torch
 
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.sampling import Sampling
+from meshyard.inference.tokenizer import ByteTokenizer
 from meshyard.serve.cli import _standalone
-from meshyard.serve.loading import describe, load_engine
-from meshyard.serve.tokenizer import ByteTokenizer
-from meshyard.serve.types import Sampling
-from tests.serve.conftest import CUSTOM_MODEL
 from tests.serve.servers import ServerProcess, concurrently, running_servers
+from tests.trained_runs import CUSTOM_MODEL
 
 GENERATE = "/v1/models/tiny/generate"
 LOGITS = "/v1/models/tiny/logits"

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from meshyard.checkpoint.locate import CheckpointRef, Runs, find_checkpoints, locate
 from meshyard.checkpoint.manager import LATEST, step_of
 from meshyard.checkpoint.manifest import verify
+from meshyard.checkpoint.model_file import write_model_file
 from meshyard.checkpoint.state import SafeBytesMixin
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.extras import require
@@ -69,7 +70,7 @@ def export(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print)
     """Write the model as one file: ``.safetensors`` or a ``torch.save`` state dict (other
     suffixes; tensors only, so ``torch.load(path, weights_only=True)`` reads it)."""
     if out.suffix == ".safetensors":  # before reading anything: the package is an optional extra
-        save_file = require("safetensors.torch", "exporting to .safetensors").save_file
+        require("safetensors.torch", "exporting to .safetensors")
     store = ref.store()
     manifest, problem = verify(store, store.path(ref.name))
     if problem:
@@ -77,9 +78,9 @@ def export(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print)
     tensors = {k: v.contiguous() for k, v in model_state(ref).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
-        # Tied weights come back as separate tensors with equal values, which
-        # safetensors accepts; metadata keeps the step for provenance.
-        save_file(tensors, str(out), metadata={"step": str(manifest["step"]), "format": "pt"})
+        # Tied weights come back from the checkpoint as separate tensors with equal values,
+        # so each is stored under its own name; the step is kept for provenance.
+        write_model_file(tensors, out, step=manifest["step"])
     else:
         torch.save(tensors, out)
     report(f"exported {len(tensors)} tensors of step {manifest['step']} to {out}")

@@ -9,7 +9,7 @@ message lists every problem of a run. Nothing here raises: each check returns me
 from __future__ import annotations
 
 import ipaddress
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from meshyard.config.sections import (CheckpointConfig, CommConfig, Config, DataConfig, FaultConfig, MetricsConfig,
                                       ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
@@ -39,6 +39,13 @@ def field_problems(cfg: Config) -> list[str]:
         *_run_problems(cfg.run),
         *_serve_problems(cfg.serve),
     ]
+
+
+def section_problems(section_name: str, section: Any) -> list[str]:
+    """The problems of one section checked alone: its own ranges, for a command that reads
+    that section only (``meshyard.config.load.load_section``); ``field_problems`` checks a
+    whole config, combinations of sections included."""
+    return SECTION_CHECKS[section_name](section)
 
 
 def _failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
@@ -320,3 +327,9 @@ def _node_problems(r: RunConfig) -> list[str]:
         (r.rdzv_timeout_s >= 1, f"run.rdzv_timeout_s = {r.rdzv_timeout_s} must be at least 1 (seconds)"),
         (r.rdzv_last_call_s >= 0, f"run.rdzv_last_call_s = {r.rdzv_last_call_s} must not be negative"),
     ])
+
+
+SECTION_CHECKS: dict[str, Callable[[Any], list[str]]] = {
+    "serve": _serve_problems,
+}
+"""Sections a command reads alone (``section_problems``), with the checks that need only that section."""

@@ -166,23 +166,42 @@ def merge(config: Config, values: dict[str, Any], origin: str, problems: list[st
         if section_name not in SECTIONS:
             problems.append(f"unknown section [{section_name}] in {origin}{did_you_mean(section_name, SECTIONS)}")
             continue
-        if not isinstance(table, dict):
-            problems.append(f"[{section_name}] in {origin} should be a table of keys, not {table!r}")
+        merge_section(getattr(config, section_name), section_name, table, origin, problems)
+
+
+def merge_section(section: Any, section_name: str, table: Any, origin: str, problems: list[str]) -> None:
+    """Write ``{field: value}`` into one section object, appending problems found."""
+    if not isinstance(table, dict):
+        problems.append(f"[{section_name}] in {origin} should be a table of keys, not {table!r}")
+        return
+    types = _field_types(type(section))
+    for key, value in table.items():
+        where = f"{section_name}.{key}"
+        if where in RETIRED_KEYS and value == RETIRED_KEYS[where]:
             continue
-        section = getattr(config, section_name)
-        types = _field_types(type(section))
-        for key, value in table.items():
-            where = f"{section_name}.{key}"
-            if where in RETIRED_KEYS and value == RETIRED_KEYS[where]:
-                continue
-            if key not in types:
-                problems.append(f"unknown key '{where}' in {origin}{did_you_mean(key, types)}")
-                continue
-            value, problem = coerce(value, types[key], where)
-            if problem:
-                problems.append(f"{problem} (from {origin})")
-            else:
-                setattr(section, key, value)
+        if key not in types:
+            problems.append(f"unknown key '{where}' in {origin}{did_you_mean(key, types)}")
+            continue
+        value, problem = coerce(value, types[key], where)
+        if problem:
+            problems.append(f"{problem} (from {origin})")
+        else:
+            setattr(section, key, value)
+
+
+def _override_tables(overrides: Iterable[str], problems: list[str]) -> dict[str, dict[str, Any]]:
+    """``--section.field=value`` overrides as ``{section: {field: value}}``, appending problems found."""
+    nested: dict[str, dict[str, Any]] = {}
+    grouped, stray = group_override_tokens(overrides)
+    problems.extend(f"'{token}' is not an override of the form --section.field=value" for token in stray)
+    for text in grouped:
+        try:
+            section, name, value = parse_override(text)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        nested.setdefault(section, {})[name] = value
+    return nested
 
 
 def collect_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> tuple[Config, list[str]]:
@@ -197,18 +216,32 @@ def collect_config(path: str | Path | None = None, overrides: Iterable[str] = ()
             merge(config, read_toml(path), str(path), problems)
         except ConfigError as exc:
             problems.extend(exc.problems)
-    nested: dict[str, dict[str, Any]] = {}
-    grouped, stray = group_override_tokens(overrides)
-    problems.extend(f"'{token}' is not an override of the form --section.field=value" for token in stray)
-    for text in grouped:
+    merge(config, _override_tables(overrides, problems), "command line", problems)
+    return config, problems
+
+
+def collect_section(section_name: str, path: str | Path | None = None,
+                    overrides: Iterable[str] = ()) -> tuple[Any, list[str]]:
+    """One section alone (an instance of ``SECTIONS[section_name]``): defaults < the file's
+    ``[section_name]`` table < its ``--section_name.field`` overrides, and every problem met.
+
+    The file's other sections are neither read nor checked; an override of another
+    section is a problem, since nothing here would read it.
+    """
+    section = SECTIONS[section_name]()
+    problems: list[str] = []
+    if path is not None:
         try:
-            section, name, value = parse_override(text)
+            table = read_toml(path).get(section_name, {})
         except ConfigError as exc:
             problems.extend(exc.problems)
-            continue
-        nested.setdefault(section, {})[name] = value
-    merge(config, nested, "command line", problems)
-    return config, problems
+        else:
+            merge_section(section, section_name, table, str(path), problems)
+    tables = _override_tables(overrides, problems)
+    problems.extend(f"--{other}.{key} sets [{other}], but only [{section_name}] is read here"
+                    for other, table in tables.items() if other != section_name for key in table)
+    merge_section(section, section_name, tables.get(section_name, {}), "command line", problems)
+    return section, problems
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
@@ -223,6 +256,15 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def load_section(section_name: str, path: str | Path | None = None, overrides: Iterable[str] = ()) -> Any:
+    """One section of a config alone (``collect_section``), checked field by field on
+    load; every problem is raised together as one ``ConfigError``."""
+    section, problems = collect_section(section_name, path, overrides)
+    if problems:
+        raise ConfigError(problems)
+    return section
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshyard.export.formats import FORMATS, RUNTIME_OF, ExportFormatError
+from meshyard.inference.exports import FORMATS, RUNTIME_OF, ExportFormatError
 
 EXIT_BAD_INPUT = 2
 EXIT_REFUSED = 1
@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the export; 0 when written, 1 when refused by its check, 2 on bad input."""
     from meshyard.export.exporter import ExportInputError, ExportRefused, ExportRequest, export_model
-    from meshyard.serve.loading import ModelSourceError
+    from meshyard.inference.source import ModelSourceError
 
     if args.batches < 1 or args.tolerance < 0:
         print("meshyard export: --batches must be at least 1 and --tolerance at least 0", file=sys.stderr)

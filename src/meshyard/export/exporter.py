@@ -2,7 +2,7 @@
 
 In order: the model is loaded as the server loads it (``describe`` + the eager engine);
 the export is written into a scratch folder beside ``--out``; it is loaded back in the
-runtime that will serve it (``meshyard.serve.runtimes.open_export``) and compared with the
+runtime that will serve it (``meshyard.inference.runtimes.open_export``) and compared with the
 eager model on the run's held-out batches. An INT8 export is the float32 export checked the
 same way, then quantized, and its eval loss is held against the float32 model's. Only an
 export that passes is moved to ``--out``, with its sidecar; otherwise nothing is left there.
@@ -26,11 +26,13 @@ from meshyard.data.corpus import DataSourceError
 from meshyard.export import formats
 from meshyard.export.parity import HeldOut, Parity, compare, held_out, seconds_per_forward
 from meshyard.export.quantize import quantize_linears, quantize_onnx
+from meshyard.inference.engine import Forward
+from meshyard.inference.exports import sidecar_path
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.runtimes import open_export
+from meshyard.inference.source import ModelSource
+from meshyard.inference.tokenizer import ByteTokenizer
 from meshyard.plugins import PluginError
-from meshyard.serve.engine import Forward
-from meshyard.serve.loading import ModelSource, describe, load_engine
-from meshyard.serve.runtimes import open_export
-from meshyard.serve.tokenizer import ByteTokenizer
 
 SPEED_BATCH = 16  # the batch the INT8 speed ratio is measured at
 Report = Callable[[str], None]
@@ -104,13 +106,13 @@ def export_model(request: ExportRequest, report: Report = print) -> dict[str, An
         formats.write_sidecar(candidate, facts)
         # Some writers create their file private (0600); give it the mode of a file this
         # process creates (the sidecar's), as a user expects of an output file.
-        os.chmod(candidate, formats.sidecar_path(candidate).stat().st_mode & 0o777)
+        os.chmod(candidate, sidecar_path(candidate).stat().st_mode & 0o777)
         os.replace(candidate, request.out)
-        os.replace(formats.sidecar_path(candidate), formats.sidecar_path(request.out))
+        os.replace(sidecar_path(candidate), sidecar_path(request.out))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report(f"export: wrote {request.out} ({request.out.stat().st_size:,} bytes) and "
-           f"{formats.sidecar_path(request.out).name}")
+           f"{sidecar_path(request.out).name}")
     return facts
 
 

@@ -9,7 +9,7 @@ lengths decode together and a sequence can leave while the others go on: a freed
 by the next one (continuous batching). Each slot has its own length, and attention is masked
 beyond it.
 
-The protocol (what ``supports_kv_cache`` checks and ``meshyard.serve.decoding`` calls):
+The protocol (what ``supports_kv_cache`` checks and ``meshyard.inference.decoding`` calls):
 
 ``model.init_kv_cache(batch_slots, max_length, dtype=None, device=None) -> KVCache``
     a cache with ``batch_slots`` slots of ``max_length`` positions (at most the model's context).

@@ -28,9 +28,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshyard.config.sections import ServeConfig
-from meshyard.serve.batching import ClientDisconnected
-from meshyard.serve.engine import Engine
-from meshyard.serve.loading import ModelSource, load_engine
+from meshyard.inference.engine import Engine
+from meshyard.inference.loading import load_engine
+from meshyard.inference.source import ModelSource
+from meshyard.models.kv_cache import supports_kv_cache
+from meshyard.serve.batching import ClientDisconnected, DynamicBatcher
+from meshyard.serve.continuous import ContinuousBatcher
 from meshyard.serve.metrics import ServeMetrics
 from meshyard.serve.model_cache import ModelCache
 from meshyard.serve.prediction_cache import cache_key, open_cache
@@ -123,15 +126,12 @@ class Server:
             self.metrics.observe_queue_wait(name, version, endpoint, seconds)
 
         if endpoint == "generate" and cfg.scheduler == "continuous" and _has_kv_cache(engine):
-            from meshyard.serve.continuous import ContinuousBatcher
-
             def on_step(size: int, seconds: float, new_tokens: int) -> None:
                 self.metrics.observe_batch(name, version, endpoint, size, seconds, new_tokens)
 
             batcher = ContinuousBatcher(engine, max_batch_size=cfg.max_batch_size, max_queue=cfg.max_queue,
                                         executor=self.executor, on_step=on_step, on_queue_wait=on_queue_wait)
             return Lane(batcher, engine)
-        from meshyard.serve.batching import DynamicBatcher
 
         def on_batch(items: list[Any], seconds: float) -> None:
             new_tokens = sum(item[2].max_new_tokens for item in items) if endpoint == "generate" else 0
@@ -153,8 +153,6 @@ def _inference_threads(threads: int) -> None:
 def _has_kv_cache(engine: Engine) -> bool:
     """Whether the continuous batcher can drive ``engine`` (a module with the KV-cache
     protocol); other models fall back to the dynamic batcher."""
-    from meshyard.models.kv_cache import supports_kv_cache
-
     module = getattr(engine, "module", None)
     return module is not None and supports_kv_cache(module)
 

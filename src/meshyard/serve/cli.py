@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshyard.config.checks import CACHE_SCHEMES, field_problems
-from meshyard.config.load import ConfigError, load_config
+from meshyard.config.checks import CACHE_SCHEMES, section_problems
+from meshyard.config.load import ConfigError, group_override_tokens, load_section
 from meshyard.config.sections import ServeConfig
 from meshyard.extras import MissingExtra, require
 
@@ -87,11 +87,12 @@ def settings(args: argparse.Namespace, overrides: list[str]) -> ServeConfig:
                              "scheduler": args.scheduler, "pinned": args.pin or None}
     # JSON strings and arrays are TOML values too, so every flag keeps its type and text.
     given = [f"--serve.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
-    cfg = load_config(None, [*overrides, *given])
-    problems = field_problems(cfg)
+    # Only the [serve] section is read and checked: a server needs no training config.
+    serve = load_section("serve", None, [*overrides, *given])
+    problems = section_problems("serve", serve)
     if problems:
         raise ConfigError(problems)
-    return cfg.serve
+    return serve
 
 
 def split_model(text: str) -> tuple[str | None, str]:
@@ -122,7 +123,10 @@ def split_canary(text: str) -> tuple[str, str, float]:
 def routes(args: argparse.Namespace, cfg: ServeConfig) -> Any:
     """The ``Router`` of the models and canaries on the command line (each described, no
     weights loaded); raises ``ServeArgumentError`` naming a wrong path, canary or pin."""
-    from meshyard.serve.loading import ModelSourceError, describe
+    # Loading stands on torch and the checkpoint readers: imported when serving, not for
+    # every ``meshyard`` command line (this module is registered by ``meshyard.cli``).
+    from meshyard.inference.loading import describe
+    from meshyard.inference.source import ModelSourceError
     from meshyard.serve.routing import RouteError, Router
 
     try:
@@ -222,8 +226,6 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _standalone(argv: list[str]) -> int:
     """``python -m meshyard.serve.cli ...``: the same command outside the ``meshyard`` entry point."""
-    from meshyard.config.load import group_override_tokens
-
     parser = argparse.ArgumentParser(prog="meshyard")
     add_parser(parser.add_subparsers(dest="command", required=True))
     overrides, rest = group_override_tokens(argv)

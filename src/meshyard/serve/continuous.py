@@ -30,13 +30,13 @@ from typing import Awaitable, Callable, Sequence
 
 import torch
 
+from meshyard.inference.checks import check_sequences
+from meshyard.inference.decoding import decode_step, device_of, prefill, require_kv_cache
+from meshyard.inference.engine import Engine
+from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache
 from meshyard.serve.batching import SHUTTING_DOWN, ClientDisconnected, call_hook, client_gone
-from meshyard.serve.decoding import decode_step, device_of, prefill, require_kv_cache
-from meshyard.serve.checks import check_sequences
-from meshyard.serve.engine import Engine
-from meshyard.serve.sampling import generator_for, next_tokens
-from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, Sampling, ServeError, Unavailable
+from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ServeError, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from meshyard.serve.types import Unavailable
 
 if TYPE_CHECKING:
-    from meshyard.serve.engine import Engine
-    from meshyard.serve.loading import ModelSource
+    from meshyard.inference.engine import Engine
+    from meshyard.inference.source import ModelSource
     from meshyard.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from meshyard.config.load import did_you_mean
 from meshyard.config.sections import ServeConfig
-from meshyard.serve.types import BadRequest, Sampling
+from meshyard.inference.sampling import Sampling
+from meshyard.serve.types import BadRequest
 
 if TYPE_CHECKING:
-    from meshyard.serve.loading import ModelSource
+    from meshyard.inference.source import ModelSource
 
 GENERATE_FIELDS = ("prompt", "tokens", "max_new_tokens", "temperature", "top_k", "seed", "timeout_ms")
 """Fields a generate request may carry."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from meshyard.serve.types import NotFound
 
 if TYPE_CHECKING:
-    from meshyard.serve.loading import ModelSource
+    from meshyard.inference.source import ModelSource
 
 VERSION_HEADER = "X-Model-Version"
 

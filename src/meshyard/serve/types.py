@@ -1,25 +1,7 @@
-"""Values passed between the server's parts: what a request asks for and how it can fail."""
+"""How a request to the server can fail: each error with its HTTP status (what a request
+asks for, ``Sampling``, is ``meshyard.inference.sampling``'s)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one completion is drawn. ``temperature`` 0 is greedy; ``top_k`` 0 keeps the whole
-    vocabulary; a ``seed`` makes sampling repeatable (each request draws from its own
-    generator, so a request's tokens do not depend on what it was batched with)."""
-
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def deterministic(self) -> bool:
-        """The same input always gives the same tokens (what the prediction cache may keep)."""
-        return self.temperature == 0.0 or self.seed is not None
 
 
 class ServeError(Exception):

@@ -1,4 +1,5 @@
-"""Trained runs the serving tests share: built once per session, each in a few seconds."""
+"""Trained runs the inference, serving and export tests share: built once per session, each in
+a few seconds (registered as a plugin by ``tests/conftest.py``)."""
 
 from __future__ import annotations
 

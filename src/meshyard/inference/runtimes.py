@@ -1,13 +1,13 @@
 """Serving a file written by ``meshyard export``: its description and its engine.
 
-Each export format runs in one runtime (``formats.RUNTIME_OF``): a safetensors export in
+Each export format runs in one runtime (``exports.RUNTIME_OF``): a safetensors export in
 eager PyTorch (the model built from the config in its sidecar, its weights put in), a
 TorchScript export in ``torch.jit`` and an ONNX export in ONNX Runtime on the CPU. Asking
 for another runtime is an error that names the right one.
 
 The TorchScript and ONNX engines answer the ``Engine`` protocol through a forward
 function, so batching, padding and generation are those of the eager engine
-(``meshyard.serve.engine``); they have no KV cache, so generation recomputes the sequence
+(``meshyard.inference.engine``); they have no KV cache, so generation recomputes the sequence
 at each step and the continuous scheduler falls back to dynamic batching for them.
 """
 
@@ -21,11 +21,11 @@ from torch import nn
 
 from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
-from meshyard.export import formats
-from meshyard.export.quantize import int8_entries, quantized_linears
-from meshyard.serve.engine import EagerEngine, Engine, ForwardEngine, module_bytes
-from meshyard.serve.loading import ModelSource, ModelSourceError, build_served_model
-from meshyard.serve.tokenizer import ByteTokenizer
+from meshyard.inference import exports
+from meshyard.inference.engine import EagerEngine, Engine, ForwardEngine, module_bytes
+from meshyard.inference.int8 import int8_entries, quantized_linears
+from meshyard.inference.source import ModelSource, ModelSourceError, build_served_model
+from meshyard.inference.tokenizer import ByteTokenizer
 
 RUNTIMES = ("eager", "torchscript", "onnxruntime")
 
@@ -51,10 +51,10 @@ def load_export_engine(source: ModelSource, runtime: str = "eager", threads: int
     fmt = facts["format"]
     if runtime not in RUNTIMES:
         raise ModelSourceError(f"unknown runtime '{runtime}'; choose one of {', '.join(RUNTIMES)}")
-    if formats.RUNTIME_OF[fmt] != runtime:
+    if exports.RUNTIME_OF[fmt] != runtime:
         raise ModelSourceError(
-            f"{source.path} is a {fmt} export, which runs in the '{formats.RUNTIME_OF[fmt]}' runtime, not "
-            f"'{runtime}'; serve it with --runtime {formats.RUNTIME_OF[fmt]}, or export the run again with "
+            f"{source.path} is a {fmt} export, which runs in the '{exports.RUNTIME_OF[fmt]}' runtime, not "
+            f"'{runtime}'; serve it with --runtime {exports.RUNTIME_OF[fmt]}, or export the run again with "
             f"--format {_format_for(runtime)} for the '{runtime}' runtime")
     path = Path(source.path).expanduser()
     threads = torch.get_num_threads() if threads is None else threads
@@ -73,17 +73,17 @@ def open_export(path: Path, fmt: str, config: Config | None, vocab_size: int, co
     export command checks a file through this before it writes the sidecar). A
     safetensors export needs the run's ``config`` to build its model."""
     if fmt == "safetensors":
-        module = formats.read_safetensors(path, _build(config, vocab_size, path))
+        module = exports.read_safetensors(path, _build(config, vocab_size, path))
         engine = EagerEngine(module, vocab_size, context_length)
         engine.bytes = module_bytes(module) + _int8_bytes(module)  # packed int8 weights are no parameters
         return engine
     if fmt == "torchscript":
-        scripted = formats.read_torchscript(path)
+        scripted = exports.read_torchscript(path)
         return TorchScriptEngine(scripted, vocab_size, context_length, bytes_=path.stat().st_size)
     if fmt == "onnx":
-        session = formats.onnx_session(path, threads)
+        session = exports.onnx_session(path, threads)
         return OnnxEngine(session, vocab_size, context_length, bytes_=path.stat().st_size)
-    raise ModelSourceError(f"{path}: unknown export format '{fmt}'; expected one of {', '.join(formats.FORMATS)}")
+    raise ModelSourceError(f"{path}: unknown export format '{fmt}'; expected one of {', '.join(exports.FORMATS)}")
 
 
 class TorchScriptEngine(ForwardEngine):
@@ -97,13 +97,13 @@ class OnnxEngine(ForwardEngine):
     """An ONNX export in an ONNX Runtime session on the CPU."""
 
     def __init__(self, session: Any, vocab_size: int, context_length: int, bytes_: int) -> None:
-        super().__init__(formats.onnx_forward(session), vocab_size, context_length, bytes_)
+        super().__init__(exports.onnx_forward(session), vocab_size, context_length, bytes_)
 
 
 def _sidecar(path: str) -> dict[str, Any]:
     try:
-        return formats.read_sidecar(Path(path).expanduser())
-    except formats.ExportFormatError as exc:
+        return exports.read_sidecar(Path(path).expanduser())
+    except exports.ExportFormatError as exc:
         raise ModelSourceError(str(exc)) from None
 
 
@@ -135,4 +135,4 @@ def _int8_bytes(module: nn.Module) -> int:
 
 
 def _format_for(runtime: str) -> str:
-    return next(fmt for fmt, rt in formats.RUNTIME_OF.items() if rt == runtime)
+    return next(fmt for fmt, rt in exports.RUNTIME_OF.items() if rt == runtime)

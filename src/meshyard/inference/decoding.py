@@ -3,8 +3,8 @@ per unfinished row against the cache instead of recomputing the whole prefix.
 
 Works with any module that follows the protocol of ``meshyard.models.kv_cache`` (meshyard's
 GPT does). ``prefill`` and ``decode_step`` are the two forwards the continuous batcher
-(``serve.continuous``) interleaves between requests; ``generate_with_cache`` is the plain
-batched loop over them.
+(``meshyard.serve.continuous``) interleaves between requests; ``generate_with_cache`` is
+the plain batched loop over them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from meshyard.inference.checks import check_prompts
+from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache, supports_kv_cache
 from meshyard.models.outputs import logits_of
-from meshyard.serve.checks import check_prompts
-from meshyard.serve.sampling import generator_for, next_tokens
-from meshyard.serve.types import Sampling
 
 
 def device_of(module: nn.Module) -> torch.device:

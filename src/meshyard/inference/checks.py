@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from meshyard.serve.types import Sampling
+from meshyard.inference.sampling import Sampling
 
 
 def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int, context_length: int,

@@ -1,4 +1,5 @@
-"""Choosing each row's next token from its logits: greedy, or drawn with temperature and top-k.
+"""How a completion is drawn (``Sampling``), and choosing each row's next token from its
+logits: greedy, or drawn with temperature and top-k.
 
 Every row draws from its own generator (seeded from the request), so what a request gets
 never depends on which other requests shared its batch or in what order they came.
@@ -6,9 +7,26 @@ never depends on which other requests shared its batch or in what order they cam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from meshyard.serve.types import Sampling
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one completion is drawn. ``temperature`` 0 is greedy; ``top_k`` 0 keeps the whole
+    vocabulary; a ``seed`` makes sampling repeatable (each request draws from its own
+    generator, so a request's tokens do not depend on what it was batched with)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """The same input always gives the same tokens (what the prediction cache may keep)."""
+        return self.temperature == 0.0 or self.seed is not None
 
 
 def generator_for(sampling: Sampling) -> torch.Generator | None:

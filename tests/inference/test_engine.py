@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from meshyard.config.load import load_config
+from meshyard.inference.engine import EagerEngine, generate_by_recomputing, padded
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.sampling import Sampling
 from meshyard.models.registry import build_model
-from meshyard.serve.engine import EagerEngine, generate_by_recomputing, padded
-from meshyard.serve.loading import describe, load_engine
-from meshyard.serve.types import Sampling
 
 PROMPTS = [list(b"def add(a, b):\n    return"), list(b"The"), list(b"for i in range(10"), list(b"x")]
 

@@ -13,12 +13,11 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from meshyard.inference.checks import check_prompts, check_sequences
+from meshyard.inference.decoding import device_of, generate_with_cache
+from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import supports_kv_cache
 from meshyard.models.outputs import logits_of
-from meshyard.serve.checks import check_prompts, check_sequences
-from meshyard.serve.decoding import device_of, generate_with_cache
-from meshyard.serve.sampling import generator_for, next_tokens
-from meshyard.serve.types import Sampling
 
 PAD_ID = 0  # what fills the right of shorter rows; never read back (see the module docstring)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshyard.serve.sampling import generator_for, next_tokens
-from meshyard.serve.types import Sampling
+from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 
 LOGITS = torch.tensor([[0.0, 2.0, 1.0, -1.0, 0.5],
                        [3.0, 0.0, 0.0, 2.5, 0.0]])

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from meshyard.export import cli as export_cli
-from meshyard.serve.engine import EagerEngine
-from meshyard.serve.loading import ModelSourceError, describe, load_engine
-from meshyard.serve.runtimes import OnnxEngine, TorchScriptEngine, describe_export
-from meshyard.serve.tokenizer import ByteTokenizer
-from meshyard.serve.types import Sampling
+from meshyard.inference.engine import EagerEngine
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.runtimes import OnnxEngine, TorchScriptEngine, describe_export
+from meshyard.inference.sampling import Sampling
+from meshyard.inference.source import ModelSourceError
+from meshyard.inference.tokenizer import ByteTokenizer
 
 EXPORTS = {"safetensors": ("model.safetensors", "eager"), "torchscript": ("model.pt", "torchscript"),
            "onnx": ("model.onnx", "onnxruntime")}

@@ -8,7 +8,7 @@ A path is one of:
   folder's newest valid one, with the config of the run directory that holds them (else
   the config the checkpoint's manifest recorded);
 - a file: a model written by ``meshyard export``, described and loaded by
-  ``meshyard.serve.runtimes``.
+  ``meshyard.inference.runtimes``.
 
 ``describe`` reads configs and manifests only, so a server can list and route every
 model before loading any. Its version names exactly the checkpoint it found, and
@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,35 +33,14 @@ from meshyard.checkpoint.tools import model_state
 from meshyard.config.load import ConfigError, config_from_dict, load_config
 from meshyard.config.sections import Config
 from meshyard.data.corpus import BYTE_VOCAB
-from meshyard.models.registry import build_model
-from meshyard.plugins import PluginError
-from meshyard.serve.engine import EagerEngine, Engine
-from meshyard.serve.tokenizer import BYTE_SOURCES, Tokenizer, tokenizer_for
+from meshyard.inference.engine import EagerEngine, Engine
+from meshyard.inference.runtimes import describe_export, load_export_engine
+from meshyard.inference.source import KINDS, ModelSource, ModelSourceError, build_served_model
+from meshyard.inference.tokenizer import BYTE_SOURCES, tokenizer_for
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.toml"
-KINDS = ("give a run directory (it holds config.toml and checkpoints/), one of its checkpoints "
-         "(.../checkpoints/step-NNNNNNNN), or a file written by 'meshyard export'")
-
-
-class ModelSourceError(ValueError):
-    """A path that cannot be served; the message names it and says what to give instead."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A model to serve, as far as it is known without loading its weights."""
-
-    path: str  # what the user gave
-    name: str  # served name (run.name unless NAME=PATH)
-    version: str  # "step-<N>.<6 hex of the manifest's digest>"; an export: its own
-    vocab_size: int
-    context_length: int
-    tokenizer: Tokenizer | None = field(compare=False)
-    estimated_bytes: int  # the checkpoint's model tensors, or the export's size
-    config: Config | None = field(compare=False, repr=False)  # the run's config, when there is one
-    checkpoint: str = ""  # the checkpoint this version is (empty for an export)
 
 
 def describe(path: str, name: str | None = None) -> ModelSource:
@@ -73,9 +51,7 @@ def describe(path: str, name: str | None = None) -> ModelSource:
     """
     target = Path(path).expanduser()
     if target.is_file():
-        from meshyard.serve import runtimes  # the export side; imported only for a file
-
-        return runtimes.describe_export(path, name)
+        return describe_export(path, name)
     if not target.exists():
         raise ModelSourceError(f"{path} does not exist; {KINDS}")
     ref = _checkpoint_of(path)
@@ -92,9 +68,7 @@ def load_engine(source: ModelSource, runtime: str = "eager", device: str | torch
     """The engine of ``source``: an export through its runtime, a checkpoint as an
     ``EagerEngine`` (the model built from the run's config, its weights loaded) on ``device``."""
     if not source.checkpoint and Path(source.path).expanduser().is_file():
-        from meshyard.serve import runtimes  # the export side; imported only for a file
-
-        return runtimes.load_export_engine(source, runtime)
+        return load_export_engine(source, runtime)
     if runtime != "eager":
         raise ModelSourceError(
             f"{source.path} is a checkpoint, which runs only in the 'eager' runtime, not '{runtime}'; export "
@@ -211,18 +185,6 @@ def vocab_from_shapes(shapes: dict[str, tuple[int, ...]]) -> int | None:
     heads = [shape[0] for key, shape in matrices.items() if key.rpartition(".")[0].endswith(("head", "output"))]
     found = embeddings or heads
     return found[0] if found else None
-
-
-def build_served_model(config: Config, vocab_size: int, where: object, fix: str,
-                       device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The run's model, freshly built on ``device`` with the served vocabulary; a model that
-    cannot be built here is a ModelSourceError naming ``where`` it came from and the ``fix``."""
-    try:
-        with torch.device(device):
-            return build_model(config.model, vocab_size, config.data.seq_len)
-    except (PluginError, TypeError) as exc:
-        raise ModelSourceError(f"{where}: the model '{config.model.name}' cannot be built here ({exc}); "
-                               f"{fix}") from None
 
 
 def _load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], ref: CheckpointRef) -> None:

@@ -11,9 +11,10 @@ import torch
 
 from meshyard.checkpoint.locate import locate
 from meshyard.checkpoint.tools import model_state
-from meshyard.serve.loading import ModelSource, ModelSourceError, describe, load_engine, vocab_from_shapes
-from meshyard.serve.tokenizer import ByteTokenizer
-from meshyard.serve.types import Sampling
+from meshyard.inference.loading import describe, load_engine, vocab_from_shapes
+from meshyard.inference.sampling import Sampling
+from meshyard.inference.source import ModelSource, ModelSourceError
+from meshyard.inference.tokenizer import ByteTokenizer
 
 STEP = "step-00000003"
 

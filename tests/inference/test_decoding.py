@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshyard.inference.decoding import generate_with_cache
+from meshyard.inference.engine import EagerEngine, generate_by_recomputing
+from meshyard.inference.sampling import Sampling
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.models.mlp import MLP
-from meshyard.serve.decoding import generate_with_cache
-from meshyard.serve.engine import EagerEngine, generate_by_recomputing
-from meshyard.serve.types import Sampling
 
 VOCAB, CONTEXT = 64, 48
 

@@ -1,0 +1,51 @@
+"""What a served model is before its weights are loaded (``ModelSource``), the error of a
+path that cannot be served, and building the run's model for its weights.
+
+Both ways to a model stand on this module: a run's checkpoint (``meshyard.inference.loading``)
+and a file written by ``meshyard export`` (``meshyard.inference.runtimes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshyard.config.sections import Config
+from meshyard.inference.tokenizer import Tokenizer
+from meshyard.models.registry import build_model
+from meshyard.plugins import PluginError
+
+KINDS = ("give a run directory (it holds config.toml and checkpoints/), one of its checkpoints "
+         "(.../checkpoints/step-NNNNNNNN), or a file written by 'meshyard export'")
+
+
+class ModelSourceError(ValueError):
+    """A path that cannot be served; the message names it and says what to give instead."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to serve, as far as it is known without loading its weights."""
+
+    path: str  # what the user gave
+    name: str  # served name (run.name unless NAME=PATH)
+    version: str  # "step-<N>.<6 hex of the manifest's digest>"; an export: its own
+    vocab_size: int
+    context_length: int
+    tokenizer: Tokenizer | None = field(compare=False)
+    estimated_bytes: int  # the checkpoint's model tensors, or the export's size
+    config: Config | None = field(compare=False, repr=False)  # the run's config, when there is one
+    checkpoint: str = ""  # the checkpoint this version is (empty for an export)
+
+
+def build_served_model(config: Config, vocab_size: int, where: object, fix: str,
+                       device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The run's model, freshly built on ``device`` with the served vocabulary; a model that
+    cannot be built here is a ModelSourceError naming ``where`` it came from and the ``fix``."""
+    try:
+        with torch.device(device):
+            return build_model(config.model, vocab_size, config.data.seq_len)
+    except (PluginError, TypeError) as exc:
+        raise ModelSourceError(f"{where}: the model '{config.model.name}' cannot be built here ({exc}); "
+                               f"{fix}") from None
