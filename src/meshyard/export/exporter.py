@@ -27,6 +27,7 @@ from meshyard.export import formats
 from meshyard.export.parity import HeldOut, Parity, compare, held_out, seconds_per_forward
 from meshyard.export.quantize import quantize_linears, quantize_onnx
 from meshyard.plugins import PluginError
+from meshyard.run_dir import RunDir
 from meshyard.serve.engine import Forward
 from meshyard.serve.loading import ModelSource, describe, load_engine
 from meshyard.serve.runtimes import open_export
@@ -121,7 +122,7 @@ def _held_out(request: ExportRequest, source: ModelSource) -> HeldOut:
         raise ExportInputError(
             f"the held-out data of {request.location} cannot be read ({exc}); every export is checked on the run's "
             "own held-out samples, so run the export where the run's data is (data.paths, data.cache_dir or the "
-            "dataset builder of its config.toml)") from None
+            f"dataset builder of its {RunDir.CONFIG})") from None
 
 
 def _write_checked(request: ExportRequest, source: ModelSource, module: nn.Module, eager: Forward,

@@ -36,14 +36,15 @@ from meshyard.config.sections import Config
 from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.models.registry import build_model
 from meshyard.plugins import PluginError
+from meshyard.run_dir import RunDir
 from meshyard.serve.engine import EagerEngine, Engine
 from meshyard.serve.tokenizer import BYTE_SOURCES, Tokenizer, tokenizer_for
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.toml"
-KINDS = ("give a run directory (it holds config.toml and checkpoints/), one of its checkpoints "
-         "(.../checkpoints/step-NNNNNNNN), or a file written by 'meshyard export'")
+CONFIG_FILE = RunDir.CONFIG
+KINDS = (f"give a run directory (it holds {RunDir.CONFIG} and {RunDir.CHECKPOINTS}/), one of its checkpoints "
+         f"(.../{RunDir.CHECKPOINTS}/step-NNNNNNNN), or a file written by 'meshyard export'")
 
 
 class ModelSourceError(ValueError):
@@ -198,7 +199,7 @@ def _vocab_size(config: Config, ref: CheckpointRef, path: str) -> int:
     if rows is None:
         raise ModelSourceError(f"{path}: the vocabulary size is not in the run's config (model.vocab_size, "
                                "data.vocab_size) and no token embedding was found in the checkpoint; set "
-                               "model.vocab_size in the run's config.toml and serve it again")
+                               f"model.vocab_size in the run's {RunDir.CONFIG} and serve it again")
     return rows
 
 
@@ -227,7 +228,7 @@ def build_served_model(config: Config, vocab_size: int, where: object, fix: str,
 
 def _load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], ref: CheckpointRef) -> None:
     """Copy the checkpoint's tensors into ``module``; every key and shape must match."""
-    fix = "serve the run directory that saved this checkpoint, with its own config.toml"
+    fix = f"serve the run directory that saved this checkpoint, with its own {RunDir.CONFIG}"
     try:
         result = module.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a shape that differs
