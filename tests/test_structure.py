@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,10 +85,21 @@ def offending_imports(folder: str, forbidden: Callable[[str], bool]) -> list[str
     return found
 
 
+def offending_file_imports(path: Path, forbidden: Callable[[str], bool]) -> list[str]:
+    """'file:line imports name' for every import of the one file ``path`` that ``forbidden(name)`` refuses."""
+    return [f"{path.relative_to(ROOT.parent)}:{line} imports {name}" for line, name in imports(path) if forbidden(name)]
+
+
+def test_the_run_directory_module_imports_nothing_of_meshyard():
+    # The bottom layer: every package, config/ included, names run-directory paths through it.
+    found = offending_file_imports(SRC / "run_dir.py", lambda name: _within(name, "meshyard"))
+    assert not found, "run_dir.py may import nothing of meshyard:\n" + "\n".join(found)
+
+
 def test_config_imports_nothing_of_meshyard_outside_config():
     found = offending_imports("config", lambda name: _within(name, "meshyard")
-                              and not _within(name, "meshyard.config"))
-    assert not found, "config/ may import only meshyard.config.*:\n" + "\n".join(found)
+                              and not _within(name, "meshyard.config") and name != "meshyard.run_dir.RunDir")
+    assert not found, "config/ may import only meshyard.config.* and meshyard.run_dir:\n" + "\n".join(found)
 
 
 def test_metrics_import_nothing_from_the_planner():
@@ -232,3 +244,55 @@ def test_the_length_rule_sees_a_long_function(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "long.py").write_text(f"def too_long():\n{body}\n\n\ndef short():\n    pass\n")
     assert long_functions(tmp_path / "pkg") == ["pkg/long.py:1 too_long (61 lines)"]
+
+
+# A run directory's layout is the product's contract (the README's table): its names are
+# spelled in run_dir.py alone. Files are found anywhere in a string; folders as the whole
+# string or a segment of a path, since words such as "checkpoints" are also prose.
+RUN_DIR_FILES = ("config.toml", "run.json", "summary.json", "metrics.jsonl", "restarts.jsonl", "preemption.json",
+                 "agent.log", "report.html", "prometheus.json")
+RUN_DIR_FOLDERS = ("logs", "failures", "hang", "checkpoints")  # not "tensorboard": also a package's name
+_FOLDER = re.compile(rf"(?:^|/)(?:{'|'.join(RUN_DIR_FOLDERS)})(?:/|$)")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of string constants standing alone as statements: docstrings of modules,
+    classes and functions, and those under attributes."""
+    return {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+
+def run_dir_names_spelled(folder: Path, owner: Path | None = None) -> list[str]:
+    """'file:line spells name' for every string constant under ``folder`` (f-strings'
+    parts included; docstrings and comments not) holding a run-directory name, but in ``owner``."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        if path == owner:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = _docstrings(tree)
+        strings = sorted((node.lineno, node.col_offset, node.value) for node in ast.walk(tree)
+                         if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                         and id(node) not in docstrings)
+        for line, _, text in strings:
+            names = [name for name in RUN_DIR_FILES if name in text] + _FOLDER.findall(text)
+            found += [f"{path.relative_to(folder.parent)}:{line} spells {name.strip('/')!r}" for name in names]
+    return found
+
+
+def test_run_directory_names_are_spelled_only_in_run_dir():
+    found = run_dir_names_spelled(SRC, owner=SRC / "run_dir.py")
+    assert not found, "name these through meshyard.run_dir.RunDir:\n" + "\n".join(found)
+
+
+def test_the_run_directory_rule_sees_names_in_strings_but_not_in_docstrings_or_prose(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        '"""Writes metrics.jsonl and logs/."""\n'
+        "# config.toml\n"
+        "def f(run_dir, rank):\n"
+        '    """Reads run.json."""\n'
+        '    note = "keeps the newest checkpoints; logs nothing"\n'
+        '    return run_dir / "logs" / f"{rank}/summary.json", f"{run_dir}/checkpoints", note\n')
+    assert run_dir_names_spelled(tmp_path / "pkg") == [
+        "pkg/mod.py:6 spells 'logs'", "pkg/mod.py:6 spells 'summary.json'", "pkg/mod.py:6 spells 'checkpoints'"]

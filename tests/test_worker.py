@@ -7,6 +7,8 @@ import pytest
 import meshyard.worker
 from meshyard.config.dump import config_to_dict
 from meshyard.fault.failure import RankFailed
+from meshyard.runtime.environment import ClusterEnvironment
+from meshyard.runtime.job import Job
 from meshyard.validate import validate
 
 
@@ -31,3 +33,21 @@ def test_process_group_timeout_comes_from_the_config(make_config, monkeypatch):
 def test_process_group_timeout_must_be_positive(make_config):
     with pytest.raises(Exception, match="fault.collective_timeout_s = 0.0 must be positive"):
         validate(make_config("--fault.collective_timeout_s=0"), 1)
+
+
+def test_a_worker_takes_the_job_its_caller_already_read(make_config, monkeypatch):
+    seen: list[object] = []
+
+    def fake_init(env, *args, **other):
+        seen.append(env)
+        raise Stop
+
+    def read_again(cls, env=None):
+        raise AssertionError("the environment was read again")
+
+    monkeypatch.setattr(meshyard.worker, "init_distributed", fake_init)
+    monkeypatch.setattr(Job, "detect", classmethod(read_again))
+    cluster = ClusterEnvironment("torchrun", 0, 1, 0, 1, "127.0.0.1", 29500)
+    with pytest.raises(RankFailed):
+        meshyard.worker.run_worker(config_to_dict(make_config()), job=Job(cluster, "job-7"))
+    assert seen == [cluster]

@@ -11,7 +11,6 @@ Example (a notebook or a launch script of your own)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -33,9 +32,9 @@ from meshyard.launch.local import LauncherStopped, WorkerFailure, launch_local
 from meshyard.launch.nodes import Nodes
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import PluginError, is_custom_reference, load_callable, unaccepted_keywords
-from meshyard.run_dir import resolve_run_dir
+from meshyard.run_dir import RunDir
 from meshyard.runtime.devices import require_deterministic_cublas
-from meshyard.runtime.environment import detect_environment, job_identity
+from meshyard.runtime.job import Job
 from meshyard.runtime.network import NetworkError
 from meshyard.validate import validate, validate_local_launch
 from meshyard.worker import run_worker, spawned_worker
@@ -152,24 +151,25 @@ def run(config: Config, nproc: int | None = None, resume: str = "auto", *,
     local workers than GPUs included, unless ``run.share_gpus`` allows it), and
     ``Preempted`` when the run stopped for a preemption signal after saving.
     """
-    env = detect_environment()
+    job = Job.detect()  # read once: a worker in this process is handed it
+    env = job.environment
     if env is not None and not _launches_nodes_in_slurm(config, env.source):
         validate(config, env.world_size, earlier_problems)  # the one full check of this process
         config, resume = _resume_target(config, resume)
-        return _run_as_rank(config, resume)
+        return _run_as_rank(config, resume, job)
     config, _ = validate_local_launch(config, nproc, earlier_problems)
     config, resume = _resume_target(config, resume)
-    job_id = config.run.rdzv_id or job_identity()
-    nodes = _nodes_of(config, job_id)
+    launched = job.named(config.run.rdzv_id)
+    nodes = _nodes_of(config, launched.id)
     prepare_inputs(config)  # before the run directory exists: bad input leaves nothing behind
-    run_dir = resolve_run_dir(config.run, job_id)
+    run_dir = launched.run_dir(config.run).path
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"meshyard: run directory {run_dir}", flush=True)
     # Workers inherit this environment, and cuBLAS reads the setting when CUDA starts in them.
     require_deterministic_cublas(config.train.deterministic, config.run.device, os.environ)
     args: WorkerArgs = (config_to_dict(config), str(run_dir), resume)
     if config.run.nproc == 1 and nodes is None:
-        return RunResult(run_dir, _run_in_process(args))
+        return RunResult(run_dir, _run_in_process(args, job))
     return RunResult(run_dir, _run_local_workers(config, args, run_dir, nodes))
 
 
@@ -197,18 +197,18 @@ def _nodes_of(config: Config, job_id: str) -> Nodes | None:
         raise ConfigError([f"run.rdzv_endpoint: {exc}"], "launch") from None
 
 
-def _run_as_rank(config: Config, resume: str) -> RunResult:
+def _run_as_rank(config: Config, resume: str, job: Job) -> RunResult:
     """This process is one rank of a job another launcher started (torchrun, Slurm, Kubeflow)."""
-    summary = run_worker(config_to_dict(config), "", resume)
-    run_dir = Path(summary["run_dir"]) if summary else resolve_run_dir(config.run, job_identity())
+    summary = run_worker(config_to_dict(config), "", resume, job=job)
+    run_dir = Path(summary["run_dir"]) if summary else job.run_dir(config.run).path
     return RunResult(run_dir, summary)
 
 
-def _run_in_process(args: WorkerArgs) -> dict[str, Any] | None:
+def _run_in_process(args: WorkerArgs, job: Job) -> dict[str, Any] | None:
     """One worker, in this process; the caller's torch thread count is given back after."""
     threads = torch.get_num_threads()
     try:
-        return run_worker(*args)
+        return run_worker(*args, job=job)
     finally:
         torch.set_num_threads(threads)
 
@@ -243,12 +243,7 @@ def _run_local_workers(config: Config, args: WorkerArgs, run_dir: Path, nodes: N
 def _preemption_from_record(run_dir: Path, since: float) -> Preempted:
     """The preemption the workers recorded after ``since``: rank 0's record, else one a
     rank of this node left in its logs (a node without rank 0); step -1 if none."""
-    for path in [run_dir / "preemption.json", *sorted((run_dir / "logs").glob("preemption-rank*.json"))]:
-        try:
-            if path.stat().st_mtime < since:
-                continue  # an older preemption
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        return Preempted(record["step"], record["signal"], record["checkpoint"])
-    return Preempted(-1, "a signal", None)
+    record = RunDir(run_dir).read_preemption(since)
+    if record is None:
+        return Preempted(-1, "a signal", None)
+    return Preempted(record["step"], record["signal"], record["checkpoint"])

@@ -1,27 +1,200 @@
-"""Naming of run directories, and the id of the run that lives in one.
+"""The run directory: every path and record of a run, in one place.
+
+Its layout is the product's contract (the README's table of run-directory files): a later
+``meshyard doctor``, ``resume``, ``serve`` or ``ckpt`` finds everything there by these
+names, and this module is the only place that spells them. It imports nothing of meshyard
+(and nothing heavy), so every package may use it.
 
 A run directory is named after the job, never after the clock, whenever the environment
-names a job (``runtime.environment.job_identity``): a restarted, requeued or re-launched
-job then opens the same folder on every node and finds its checkpoints there.
+names a job (``runtime.job``): a restarted, requeued or re-launched job then opens the
+same folder on every node and finds its checkpoints there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, ClassVar, Protocol
 
-from meshyard.config.sections import RunConfig
-from meshyard.runtime.environment import detect_environment, generated_rendezvous_id, job_identity, rendezvous_id
 
-RUN_ID_FILE = "run_id"
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory, and the JSON records that several modules share.
+
+    The names are class attributes too, for folders that are URLs (``checkpoint.locate``
+    joins them itself) and for messages. ``path`` may be given as a string."""
+
+    path: Path
+
+    CONFIG: ClassVar[str] = "config.toml"  # the resolved configuration; running it repeats the run
+    RUN_FACTS: ClassVar[str] = "run.json"  # layout, batch, versions, host, run id, checkpoint folder
+    SUMMARY: ClassVar[str] = "summary.json"  # rank 0's summary at the end
+    METRICS: ClassVar[str] = "metrics.jsonl"  # one line per step (rank 0)
+    RESTARTS: ClassVar[str] = "restarts.jsonl"  # one line per restart or resume
+    PREEMPTION: ClassVar[str] = "preemption.json"  # the last preemption, kept by rank 0
+    LOGS: ClassVar[str] = "logs"  # rank logs, the agent's log, failure records, preemption copies
+    FAILURES: ClassVar[str] = "failures"  # under LOGS
+    AGENT_LOG: ClassVar[str] = "agent.log"  # under LOGS
+    HANG: ClassVar[str] = "hang"  # the hang watchdog's stacks and reports
+    CHECKPOINTS: ClassVar[str] = "checkpoints"  # unless checkpoint.dir names another folder
+    RUN_ID: ClassVar[str] = "run_id"  # the id this run's checkpoints carry
+    REPORT: ClassVar[str] = "report.html"  # meshyard doctor report
+    PROMETHEUS: ClassVar[str] = "prometheus.json"  # where the Prometheus endpoint listens
+    TENSORBOARD: ClassVar[str] = "tensorboard"
+    CHECKPOINTS_FACT: ClassVar[str] = "checkpoints"  # the key of run.json naming the checkpoint folder
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    # Files and folders at the top.
+    @property
+    def config(self) -> Path:
+        return self.path / self.CONFIG
+
+    @property
+    def run_facts(self) -> Path:
+        return self.path / self.RUN_FACTS
+
+    @property
+    def summary(self) -> Path:
+        return self.path / self.SUMMARY
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / self.METRICS
+
+    @property
+    def restarts(self) -> Path:
+        return self.path / self.RESTARTS
+
+    @property
+    def preemption(self) -> Path:
+        return self.path / self.PREEMPTION
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / self.CHECKPOINTS
+
+    @property
+    def run_id_file(self) -> Path:
+        return self.path / self.RUN_ID
+
+    @property
+    def report(self) -> Path:
+        return self.path / self.REPORT
+
+    @property
+    def prometheus(self) -> Path:
+        return self.path / self.PROMETHEUS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / self.TENSORBOARD
+
+    # Under logs/: what each rank and the elastic agent leave.
+    @property
+    def logs(self) -> Path:
+        return self.path / self.LOGS
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.logs / self.AGENT_LOG
+
+    def rank_preemption(self, rank: int) -> Path:
+        """A rank's copy of the preemption record (for the launcher of a node without rank 0)."""
+        return self.logs / f"preemption-rank{rank}.json"
+
+    @property
+    def failures(self) -> Path:
+        return self.logs / self.FAILURES
+
+    def failure_record(self, restart: int, rank: int) -> Path:
+        """One record per rank and attempt of the elastic agent."""
+        return self.failures / f"restart{restart}-rank{rank}.json"
+
+    def failure_records(self, restart: int) -> list[Path]:
+        return list(self.failures.glob(f"restart{restart}-rank*.json"))
+
+    def bad_input_record(self, rank: int) -> Path:
+        return self.failures / f"bad-input-rank{rank}.json"
+
+    def bad_input_records(self) -> list[Path]:
+        return list(self.failures.glob("bad-input-rank*.json"))
+
+    # Under hang/: the watchdog's dumps.
+    @property
+    def hang(self) -> Path:
+        return self.path / self.HANG
+
+    def hang_stacks(self, rank: int) -> Path:
+        return self.hang / f"rank{rank}.txt"
+
+    def hang_report(self, rank: int) -> Path:
+        return self.hang / f"report-rank{rank}.json"
+
+    # Records read or written by more than one module.
+    def write_run_facts(self, facts: dict[str, Any]) -> None:
+        self.run_facts.write_text(json.dumps(facts, indent=2))
+
+    def read_run_facts(self) -> dict[str, Any]:
+        """The run's facts; empty when it recorded none."""
+        return json.loads(self.run_facts.read_text()) if self.run_facts.exists() else {}
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self.summary.write_text(json.dumps(summary, indent=2))
+
+    def read_summary(self) -> dict[str, Any]:
+        return json.loads(self.summary.read_text())
+
+    def append_restart(self, entry: dict[str, Any]) -> None:
+        with self.restarts.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+    def read_restarts(self) -> list[dict[str, Any]]:
+        """Every restart or resume recorded, oldest first; empty when there was none."""
+        if not self.restarts.exists():
+            return []
+        return [json.loads(line) for line in self.restarts.read_text().splitlines() if line.strip()]
+
+    def write_preemption(self, entry: dict[str, Any], rank: int | None = None) -> None:
+        """``preemption.json`` (rank 0, ``rank`` None) or rank ``rank``'s copy under logs/."""
+        path = self.preemption if rank is None else self.rank_preemption(rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(entry, indent=2))
+
+    def read_preemption(self, since: float = 0.0) -> dict[str, Any] | None:
+        """The preemption recorded at ``since`` or later: rank 0's record, else one a rank
+        of this node left in its logs (a node without rank 0); None when there is none."""
+        for path in [self.preemption, *sorted(self.logs.glob("preemption-rank*.json"))]:
+            try:
+                if path.stat().st_mtime < since:
+                    continue  # an older preemption
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return None
+
+
+class RunNaming(Protocol):
+    """What names a run directory: the fields of ``config.sections.RunConfig`` it reads."""
+
+    run_dir: str
+    dir: str
+    name: str
+
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def resolve_run_dir(cfg: RunConfig, job_id: str = "") -> Path:
+def resolve_run_dir(cfg: RunNaming, job_id: str = "") -> Path:
     """``run.run_dir`` when given; ``<run.dir>/<run.name>-<job_id>`` for a job with an id
     (the same folder after a restart or a requeue, so the run resumes); else a new
     ``<run.dir>/<run.name>-<timestamp>`` folder."""
@@ -44,7 +217,7 @@ def run_id_of(run_dir: Path, job_id: str = "") -> str:
     job with an id, one derived from the job and the folder's name, which every node
     derives alike even where nodes do not share the run directory; else a random one.
     A new id is kept in the folder. Call it on one rank (rank 0) and hand the answer on."""
-    path = run_dir / RUN_ID_FILE
+    path = RunDir(run_dir).run_id_file
     if path.exists():
         return path.read_text().strip()
     value = derived_run_id(job_id, run_dir.name) if job_id else uuid.uuid4().hex[:12]
@@ -56,24 +229,3 @@ def derived_run_id(job_id: str, run_name: str) -> str:
     """A run id that depends only on the job and the run directory's name (12 hex digits,
     like a random one: it goes into file names)."""
     return hashlib.sha256(f"{job_id}\n{run_name}".encode()).hexdigest()[:12]
-
-
-def restart_advice(cfg: RunConfig, env: Mapping[str, str]) -> str:
-    """One line for a job started by another launcher whose run directory a restart would
-    not find again (no job id to name it by, or one torchrun made up for this start);
-    "" when it would be found, or ``run.run_dir`` names it."""
-    cluster = detect_environment(env)
-    if cfg.run_dir or cluster is None:
-        return ""
-    fix = "set run.run_dir, or continue the newest run with --resume latest"
-    if cluster.source == "torchrun":
-        fix = "pass the same --rdzv-id to torchrun on every start, " + fix
-    if not job_identity(env):
-        why = "torchrun was given no --rdzv-id" if cluster.source == "torchrun" else "the environment names no job"
-        return (f"meshyard: this job has no id that survives a restart ({why}), so its run directory is named "
-                f"by the time it started and a restarted job starts again from step 0; {fix}")
-    if generated_rendezvous_id(env) and job_identity(env) == rendezvous_id(env):
-        return (f"meshyard: torchrun made up the rendezvous id {rendezvous_id(env)} for this start (--standalone, "
-                f"or one node without --rdzv-id), so starting the command again opens a new run directory and "
-                f"starts from step 0; {fix}")
-    return ""

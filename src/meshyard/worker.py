@@ -28,16 +28,16 @@ from meshyard.fault.failure import EXIT_BAD_INPUT, first_failure, record_bad_inp
 from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
 from meshyard.launch.local import quiet_agent_logs
 from meshyard.metrics.records import read_metrics, truncate_metrics
-from meshyard.run_dir import resolve_run_dir, restart_advice, run_id_of
+from meshyard.run_dir import RunDir, run_id_of
 from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.distributed import Runtime, init_distributed, rank0_decides, shutdown_distributed
-from meshyard.runtime.environment import detect_environment, job_identity
+from meshyard.runtime.job import Job
 from meshyard.train.build import build_trainer
 from meshyard.train.trainer import Trainer
 
 
 def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None:
-    (run_dir / "config.toml").write_text(config_to_toml(cfg))
+    RunDir(run_dir).config.write_text(config_to_toml(cfg))
     record = {
         "config_hash": config_hash(cfg),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -46,11 +46,15 @@ def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None
         "torch": torch.__version__,
         **facts,
     }
-    (run_dir / "run.json").write_text(json.dumps(record, indent=2))
+    RunDir(run_dir).write_run_facts(record)
 
 
-def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "auto") -> dict[str, Any] | None:
+def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "auto", *,
+               job: Job | None = None) -> dict[str, Any] | None:
     """Train as one rank of the job; rank 0 returns the run summary, others None.
+
+    ``job``: this process's job as the caller already read it (``Job.detect``); read here
+    when not given.
 
     Raises ``Preempted`` after the preemption checkpoint when a stop signal arrived, and
     ``RankFailed`` (its cause: the exception) for any other failure but a ``ConfigError``,
@@ -59,15 +63,16 @@ def run_worker(config_values: dict[str, Any], run_dir: str = "", resume: str = "
     cfg = config_from_dict(config_values)
     # Before the device is chosen: cuBLAS reads its workspace setting when CUDA starts.
     require_deterministic_cublas(cfg.train.deterministic, cfg.run.device, os.environ)
+    job = job or Job.detect()
     where = _Whereabouts(int(os.environ.get("RANK", "0")), Path(run_dir) if run_dir else None)
     with _failures_recorded(where):
-        runtime = init_distributed(detect_environment(), cfg.run.device, cfg.run.threads_per_rank,
+        runtime = init_distributed(job.environment, cfg.run.device, cfg.run.threads_per_rank,
                                    cfg.fault.collective_timeout_s, share_gpus=cfg.run.share_gpus)
     where.rank = runtime.rank
     watcher = _watch_signals(cfg.fault.signals)
     try:
         with _failures_recorded(where):
-            return _train(cfg, runtime, where, resume, watcher)
+            return _train(cfg, runtime, job, where, resume, watcher)
     finally:
         watcher.restore()
         shutdown_distributed()
@@ -117,15 +122,15 @@ def _watch_signals(names: list[str]) -> PreemptionWatcher | NullWatcher:
     return PreemptionWatcher(names)
 
 
-def _train(cfg: Config, runtime: Runtime, where: _Whereabouts, resume: str,
+def _train(cfg: Config, runtime: Runtime, job: Job, where: _Whereabouts, resume: str,
            watcher: PreemptionWatcher | NullWatcher) -> dict[str, Any] | None:
-    run_dir = Path(rank0_decides(lambda: str(_open_run_dir(cfg, where.run_dir))))
+    run_dir = Path(rank0_decides(lambda: str(_open_run_dir(cfg, job, where.run_dir))))
     run_dir.mkdir(parents=True, exist_ok=True)  # where ranks do not share rank 0's folder
     where.run_dir = run_dir
     trainer = build_trainer(cfg, runtime, run_dir, resume, watcher)
     try:
         _note_restart(trainer, cfg, run_dir)
-        _announce(trainer, cfg, runtime, run_dir)
+        _announce(trainer, cfg, runtime, job, run_dir)
         summary = trainer.fit()
     except Preempted as stop:
         # Rank 0 keeps the run's record; every rank leaves a copy in its node's logs, so
@@ -140,41 +145,40 @@ def _train(cfg: Config, runtime: Runtime, where: _Whereabouts, resume: str,
         return None
     summary = {**summary, "run_dir": str(run_dir), "world_size": runtime.world_size,
                "strategy": cfg.parallel.strategy, "parameters": trainer.facts["parameters"]}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    RunDir(run_dir).write_summary(summary)
     trainer.sinks.display.summary(summary)
     return summary
 
 
-def _open_run_dir(cfg: Config, given: Path | None) -> Path:
+def _open_run_dir(cfg: Config, job: Job, given: Path | None) -> Path:
     """Rank 0 names the run directory (``given`` by meshyard's launcher, else after the
-    job: ``runtime.environment.job_identity``), creates it and fixes the run's id in it,
-    once for the whole job. A name a restart would not find again is said on the console."""
-    job = job_identity()
-    run_dir = given or resolve_run_dir(cfg.run, job)
+    job: ``runtime.job``), creates it and fixes the run's id in it, once for the whole
+    job. A name a restart would not find again is said on the console."""
+    run_dir = job.run_dir(cfg.run, given).path
     run_dir.mkdir(parents=True, exist_ok=True)
-    run_id_of(run_dir, job)
-    advice = "" if given else restart_advice(cfg.run, os.environ)
+    run_id_of(run_dir, job.id)
+    advice = "" if given else job.restart_advice(cfg.run)
     if advice:
         print(advice, flush=True)
     return run_dir
 
 
-def _identity(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def _identity(cfg: Config, job: Job, run_dir: Path) -> dict[str, Any]:
     """For run.json: the run's id, the job it belongs to, and where its checkpoints are
     (``--resume latest`` and ``meshyard ckpt`` find them there, ``checkpoint.dir`` too)."""
     root = checkpoint_root(cfg.checkpoint, run_dir)
-    return {"run_id": run_id_of(run_dir), "job_id": job_identity(),
-            "checkpoints": root if "://" in root else str(Path(root).expanduser().resolve())}
+    return {"run_id": run_id_of(run_dir), "job_id": job.id,
+            RunDir.CHECKPOINTS_FACT: root if "://" in root else str(Path(root).expanduser().resolve())}
 
 
-def _announce(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Path) -> None:
+def _announce(trainer: Trainer, cfg: Config, runtime: Runtime, job: Job, run_dir: Path) -> None:
     """The run's facts to the rank log, run.json and restarts.jsonl (rank 0), and one
     line on the console."""
     facts, batch = trainer.facts, trainer.batch
     trainer.sinks.logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(facts))
     resumed = facts.get("resumed_from")
     if runtime.is_main:
-        _write_run_record(run_dir, cfg, {**facts, **_identity(cfg, run_dir)})
+        _write_run_record(run_dir, cfg, {**facts, **_identity(cfg, job, run_dir)})
         _record_restart(run_dir, resumed["checkpoint"] if resumed else None, trainer.progress.step)
     trainer.sinks.display.note(
         f"meshyard: {facts['parameters']:,} parameters, {runtime.world_size} rank(s) on {runtime.device.type}/"
@@ -189,7 +193,7 @@ def _note_restart(trainer: Trainer, cfg: Config, run_dir: Path) -> None:
     the agent's own report of the failure is kept off it (``launch.local``)."""
     job, restart = this_attempt()
     if restart > 0:
-        cause = first_failure(run_dir, job, restart - 1) or f"a worker ended (see {run_dir / 'logs' / 'agent.log'})"
+        cause = first_failure(run_dir, job, restart - 1) or f"a worker ended (see {RunDir(run_dir).agent_log})"
         trainer.sinks.display.note(f"meshyard: restart {restart} of fault.max_restarts = "
                                    f"{cfg.fault.max_restarts}, after {cause}")
 
@@ -198,7 +202,7 @@ def _record_restart(run_dir: Path, resumed_from: str | None, resumed_step: int) 
     """After a restart or resume, drop metrics of steps that will be redone and note the cost."""
     if restart_count() == 0 and resumed_from is None:
         return
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    records = read_metrics(run_dir) if RunDir(run_dir).metrics.exists() else []
     last_step = records[-1]["step"] if records else 0
     truncate_metrics(run_dir, resumed_step)
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": restart_count(),
@@ -206,8 +210,7 @@ def _record_restart(run_dir: Path, resumed_from: str | None, resumed_step: int) 
              "last_recorded_step": last_step, "steps_lost": max(0, last_step - resumed_step)}
     if os.environ.get("SLURM_RESTART_COUNT"):  # a requeued Slurm job: which requeue this is
         entry["requeue"] = int(os.environ["SLURM_RESTART_COUNT"])
-    with (run_dir / "restarts.jsonl").open("a") as handle:
-        handle.write(json.dumps(entry) + "\n")
+    RunDir(run_dir).append_restart(entry)
 
 
 def _record_preemption(run_dir: Path, stop: Preempted, grace_s: float, rank: int | None = None) -> None:
@@ -216,6 +219,4 @@ def _record_preemption(run_dir: Path, stop: Preempted, grace_s: float, rank: int
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "signal": stop.signal_name, "step": stop.step,
              "checkpoint": stop.checkpoint, "seconds_from_signal_to_commit": elapsed,
              "grace_period_s": grace_s, "within_grace": elapsed is None or elapsed <= grace_s}
-    path = run_dir / "preemption.json" if rank is None else run_dir / "logs" / f"preemption-rank{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(entry, indent=2))
+    RunDir(run_dir).write_preemption(entry, rank)

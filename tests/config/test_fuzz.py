@@ -201,7 +201,7 @@ def stop_at_launch(monkeypatch) -> list[int]:
     """Let ``meshyard run`` do everything up to starting workers; record the world sizes."""
     started: list[int] = []
     monkeypatch.setattr(meshyard.api, "launch_local", lambda fn, args, nproc, *rest: started.append(nproc) or {0: None})
-    monkeypatch.setattr(meshyard.api, "run_worker", lambda *args: started.append(1))
+    monkeypatch.setattr(meshyard.api, "run_worker", lambda *args, **kwargs: started.append(1))
     return started
 
 

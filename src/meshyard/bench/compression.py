@@ -29,6 +29,7 @@ from meshyard.comm import COMPRESSION_METHODS, build_compression
 from meshyard.config.load import ConfigError, load_config
 from meshyard.config.sections import Config
 from meshyard.metrics.schema import keys_from
+from meshyard.run_dir import RunDir
 from meshyard.validate import validate, with_local_nproc
 
 
@@ -91,7 +92,7 @@ def _summarise(method: str, cfg: Config, records: list[dict[str, Any]], run_dir:
     compressed = records[warmup:] or records
     timed = records[max(warmup, 1):] or records  # step 1 also carries start-up work
     if "comm_bytes" in records[-1]:
-        source = "metrics.jsonl"
+        source = RunDir.METRICS
         figures = {key: statistics.fmean(r[key] for r in compressed)
                    for key in keys_from("comm.accounting") if key in records[-1]}
     else:

@@ -44,11 +44,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 from meshyard.checkpoint.manager import find_latest_valid, step_of
 from meshyard.checkpoint.manifest import MANIFEST, verify
 from meshyard.checkpoint.storage import CheckpointStore
-from meshyard.run_dir import RUN_ID_FILE
+from meshyard.run_dir import RunDir
 
 LATEST_RUN = "latest"
-RUN_CHECKPOINTS = "checkpoints"  # the checkpoint folder inside a run directory
-RUN_RECORD = "run.json"  # a run directory's record: its run id and checkpoint folder among its facts
 KINDS = ("give a checkpoint (a folder with manifest.json), a folder of step-NNNNNNNN checkpoints, "
          "a run directory, or 'latest'")
 
@@ -124,15 +122,15 @@ def run_checkpoints(run_dir: str, options: dict[str, Any]) -> str:
 
 
 def _checkpoints_of(run_dir: str, record: dict[str, Any]) -> str:
-    recorded = record.get("checkpoints")
-    return str(recorded) if recorded else join(run_dir, RUN_CHECKPOINTS)
+    recorded = record.get(RunDir.CHECKPOINTS_FACT)
+    return str(recorded) if recorded else join(run_dir, RunDir.CHECKPOINTS)
 
 
 def _run_record(run_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     """The run's ``run.json``; empty when it has none or it cannot be read."""
     try:
         store = CheckpointStore(run_dir, options)
-        record = store.read_json(store.path(RUN_RECORD))
+        record = store.read_json(store.path(RunDir.RUN_FACTS))
     except (OSError, ValueError, ImportError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -194,7 +192,7 @@ def _kept_run_id(run_dir: Path) -> str:
     """The run id kept in the run directory (``run_dir.run_id_of``), for runs whose
     run.json predates recording it."""
     try:
-        return (run_dir / RUN_ID_FILE).read_text().strip()
+        return RunDir(run_dir).run_id_file.read_text().strip()
     except OSError:
         return ""
 
@@ -213,12 +211,12 @@ def find_checkpoints(location: str, options: dict[str, Any], runs: Runs | None =
     if store.exists(store.path(MANIFEST)) or step_of(_split(location)[1]) is not None:
         parent, name = _split(location)
         return Candidates(parent, (name,), exact=True)
-    for root in dict.fromkeys((location, run_checkpoints(location, options), join(location, RUN_CHECKPOINTS))):
+    for root in dict.fromkeys((location, run_checkpoints(location, options), join(location, RunDir.CHECKPOINTS))):
         names = _step_names(root, options)
         if names:
             return Candidates(root, names, exact=False)
     raise LocationError(f"{location} holds no checkpoint: it has no {MANIFEST}, and neither it nor its "
-                        f"'{RUN_CHECKPOINTS}' folder (nor a checkpoint folder its {RUN_RECORD} records) holds "
+                        f"'{RunDir.CHECKPOINTS}' folder (nor a checkpoint folder its {RunDir.RUN_FACTS} records) holds "
                         f"step-NNNNNNNN checkpoints; {KINDS}")
 
 

@@ -17,10 +17,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from meshyard.checkpoint.locate import RUN_CHECKPOINTS, CheckpointRef, LocationError, locate, newest_valid
+from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate, newest_valid
 from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
+from meshyard.run_dir import RunDir
 from meshyard.runtime.distributed import rank0_decides
 
 RESUME_MODES = ("auto", "latest", "none")
@@ -36,7 +37,7 @@ ResumePoint = CheckpointRef
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> str:
-    return cfg.dir or str(run_dir / RUN_CHECKPOINTS)
+    return cfg.dir or str(RunDir(run_dir).checkpoints)
 
 
 def find_explicit(location: str, cfg: CheckpointConfig, report: Callable[[str], None],

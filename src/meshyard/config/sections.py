@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshyard.run_dir import RunDir
+
 
 def option(default: Any, doc: str, **kwargs: Any) -> Any:
     """A dataclass field with its documentation attached."""
@@ -210,10 +212,11 @@ class CheckpointConfig:
     interval: int = option(100, "Save every this many steps; 0 disables step-based saving.")
     interval_minutes: float = option(0.0, "Also save when this many minutes passed since the last save; 0 disables.")
     save_final: bool = option(True, "Save at the end of the run.")
-    dir: str = option("", "Local path or fsspec URL (s3:// with meshyard[s3], memory://); empty uses <run dir>/checkpoints.")
+    dir: str = option("", "Local path or fsspec URL (s3:// with meshyard[s3], memory://); empty uses "
+                      f"<run dir>/{RunDir.CHECKPOINTS}.")
     storage_options: dict = option(
         {}, "fsspec options for remote storage, e.g. { client_kwargs = { endpoint_url = '...' } } for S3. "
-        "Credential-like entries (key, secret, token, password, ...) are recorded as '<redacted>' in config.toml "
+        f"Credential-like entries (key, secret, token, password, ...) are recorded as '<redacted>' in {RunDir.CONFIG} "
         "and manifests; a run started from such a record takes credentials from the environment or fsspec's "
         "usual sources (AWS_ACCESS_KEY_ID, ~/.aws/credentials, GOOGLE_APPLICATION_CREDENTIALS, ...).",
         secret_entries=True,
@@ -258,15 +261,16 @@ class MetricsConfig:
 
     log_every: int = option(10, "Print a progress line every this many steps when not on a terminal.")
     progress_bar: bool = option(True, "Show a live progress bar on rank 0 when stdout is a terminal.")
-    jsonl: bool = option(True, "Write every step's figures to <run dir>/metrics.jsonl.")
+    jsonl: bool = option(True, f"Write every step's figures to <run dir>/{RunDir.METRICS}.")
     breakdown: bool = option(True, "Split each step into data, forward, backward, exposed communication, optimizer.")
     gather_every: int = option(10, "Gather every rank's figures to rank 0 every this many steps; 0 disables.")
     straggler_factor: float = option(1.25, "Name a rank whose busy time exceeds the median rank's by this factor.")
     mfu: bool = option(True, "Report model FLOPs utilisation (CPU: against a measured matmul peak).")
     prometheus: bool = option(False, "Serve metrics for Prometheus from rank 0.")
     prometheus_host: str = option("127.0.0.1", "Address of the Prometheus endpoint (loopback unless you open it).")
-    prometheus_port: int = option(9464, "Port of the Prometheus endpoint; 0 lets the OS choose (see prometheus.json).")
-    tensorboard: bool = option(False, "Write TensorBoard event files to <run dir>/tensorboard.")
+    prometheus_port: int = option(
+        9464, f"Port of the Prometheus endpoint; 0 lets the OS choose (see {RunDir.PROMETHEUS}).")
+    tensorboard: bool = option(False, f"Write TensorBoard event files to <run dir>/{RunDir.TENSORBOARD}.")
 
 
 @dataclass

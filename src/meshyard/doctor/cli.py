@@ -11,6 +11,7 @@ from rich.console import Console
 
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.doctor.diagnose import DoctorError, diagnose
+from meshyard.run_dir import RunDir
 
 
 
@@ -24,10 +25,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     doctor.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     report = subparsers.add_parser(
         "report", help="write a self-contained HTML page with plots and the diagnosis",
-        description="Write RUN_DIR/report.html (or --out): loss and eval curves, stacked step-time breakdown, "
+        description=f"Write RUN_DIR/{RunDir.REPORT} (or --out): loss and eval curves, stacked step-time breakdown, "
         "throughput and MFU, per-rank busy times, memory, and the doctor's diagnosis.")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    report.add_argument("--out", type=Path, help="output file (default: RUN_DIR/report.html)")
+    report.add_argument("--out", type=Path, help=f"output file (default: RUN_DIR/{RunDir.REPORT})")
 
 
 def doctor_main(args: argparse.Namespace) -> int:

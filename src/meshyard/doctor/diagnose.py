@@ -12,7 +12,6 @@ idle): straggler, data-bound, communication-bound, memory-bound, compute-bound, 
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from meshyard.config.load import load_config
 from meshyard.config.sections import Config
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
+from meshyard.run_dir import RunDir
 from meshyard.runtime.hosts import host_of, rank_on_host
 
 DATA_BOUND_SHARE = 0.20
@@ -73,13 +73,14 @@ class Diagnosis:
 
 
 def load_run(run_dir: Path) -> tuple[Config, dict[str, Any], list[dict[str, Any]]]:
-    if not (run_dir / "metrics.jsonl").exists():
-        raise DoctorError(f"{run_dir} has no metrics.jsonl; give the run directory that 'meshyard run' printed")
+    paths = RunDir(run_dir)
+    if not paths.metrics.exists():
+        raise DoctorError(f"{run_dir} has no {RunDir.METRICS}; give the run directory that 'meshyard run' printed")
     records = read_metrics(run_dir)
     if not records:
-        raise DoctorError(f"{run_dir}/metrics.jsonl is empty: the run recorded no step yet")
-    facts = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
-    config = load_config(run_dir / "config.toml") if (run_dir / "config.toml").exists() else Config()
+        raise DoctorError(f"{paths.metrics} is empty: the run recorded no step yet")
+    facts = paths.read_run_facts()
+    config = load_config(paths.config) if paths.config.exists() else Config()
     return config, facts, records
 
 

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from meshyard.doctor.diagnose import Diagnosis, diagnose, load_run  # noqa: E402
 from meshyard.metrics.schema import OTHER, PHASES, phase_key  # noqa: E402
+from meshyard.run_dir import RunDir  # noqa: E402
 from meshyard.runtime.hosts import host_of, rank_on_host  # noqa: E402
 
 _STYLE = """
@@ -121,6 +122,6 @@ def render(diagnosis: Diagnosis, facts: dict[str, Any], records: list[dict[str, 
 def write_report(run_dir: str | Path, out: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     _, facts, records = load_run(run_dir)
-    out = out or run_dir / "report.html"
+    out = out or RunDir(run_dir).report
     out.write_text(render(diagnose(run_dir), facts, records))
     return out

@@ -33,6 +33,7 @@ from meshyard.inference.runtimes import open_export
 from meshyard.inference.source import ModelSource
 from meshyard.inference.tokenizer import ByteTokenizer
 from meshyard.plugins import PluginError
+from meshyard.run_dir import RunDir
 
 SPEED_BATCH = 16  # the batch the INT8 speed ratio is measured at
 Report = Callable[[str], None]
@@ -123,7 +124,7 @@ def _held_out(request: ExportRequest, source: ModelSource) -> HeldOut:
         raise ExportInputError(
             f"the held-out data of {request.location} cannot be read ({exc}); every export is checked on the run's "
             "own held-out samples, so run the export where the run's data is (data.paths, data.cache_dir or the "
-            "dataset builder of its config.toml)") from None
+            f"dataset builder of its {RunDir.CONFIG})") from None
 
 
 def _write_checked(request: ExportRequest, source: ModelSource, module: nn.Module, eager: Forward,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshyard.fault.watchdog import EXIT_HUNG
+from meshyard.run_dir import RunDir
 
 FIRST_LINE_CHARS = 240
 EXIT_BAD_INPUT = 2
@@ -111,7 +112,7 @@ def describe(exc: BaseException) -> str:
 
 def rank_log(run_dir: Path, rank: int) -> Path:
     """Where a rank logs (``metrics.records.rank_logger`` writes the same file)."""
-    return run_dir / "logs" / f"rank{rank}.log"
+    return RunDir(run_dir).rank_log(rank)
 
 
 def this_attempt() -> tuple[str, int]:
@@ -151,7 +152,7 @@ def _paragraph(summary: str, log: Path | str | None) -> str:
 def _record_path(run_dir: Path, restart: int, rank: int) -> Path:
     """One record per rank and attempt (a launch into the same run directory replaces
     those of an earlier one, told apart by its job id)."""
-    return run_dir / "logs" / "failures" / f"restart{restart}-rank{rank}.json"
+    return RunDir(run_dir).failure_record(restart, rank)
 
 
 def first_failure(run_dir: Path, job: str, restart: int, since: float = 0.0) -> str | None:
@@ -159,16 +160,15 @@ def first_failure(run_dir: Path, job: str, restart: int, since: float = 0.0) -> 
     ``restart`` of elastic job ``job``, at ``since`` or later (a job id that outlives a
     launch, such as a rendezvous id, must not bring back an earlier launch's failures);
     None when no rank of it raised (they were killed, or exited on purpose)."""
-    earliest = _earliest_record(run_dir, f"restart{restart}-rank*.json", job, since, ("summary", "log"))
+    earliest = _earliest_record(RunDir(run_dir).failure_records(restart), job, since, ("summary", "log"))
     return _paragraph(earliest["summary"], earliest["log"]) if earliest is not None else None
 
 
-def _earliest_record(run_dir: Path, pattern: str, job: str, since: float,
-                     wanted: tuple[str, ...]) -> dict[str, Any] | None:
-    """The earliest readable record ``logs/failures/<pattern>`` of elastic job ``job`` made
-    at ``since`` or later that holds the ``wanted`` keys."""
+def _earliest_record(paths: list[Path], job: str, since: float, wanted: tuple[str, ...]) -> dict[str, Any] | None:
+    """The earliest readable record among ``paths`` (under ``logs/failures``) of elastic
+    job ``job`` made at ``since`` or later that holds the ``wanted`` keys."""
     records = []
-    for path in (run_dir / "logs" / "failures").glob(pattern):
+    for path in paths:
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -196,7 +196,7 @@ def exit_description(rank: int, exit_code: int, run_dir: Path | None) -> str:
 
 
 def _bad_input_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "logs" / "failures" / f"bad-input-rank{rank}.json"
+    return RunDir(run_dir).bad_input_record(rank)
 
 
 def record_bad_input(problems: list[str], source: str, rank: int, run_dir: Path | None) -> None:
@@ -219,7 +219,7 @@ def recorded_bad_input(run_dir: Path | None, job: str, since: float = 0.0) -> tu
     recorded under ``run_dir`` at ``since`` or later, if any."""
     if run_dir is None:
         return None
-    earliest = _earliest_record(run_dir, "bad-input-rank*.json", job, since, ("problems", "source"))
+    earliest = _earliest_record(RunDir(run_dir).bad_input_records(), job, since, ("problems", "source"))
     if earliest is None:
         return None
     return [str(problem) for problem in earliest["problems"]], str(earliest["source"])

@@ -12,6 +12,8 @@ import signal
 import time
 from types import FrameType
 
+from meshyard.run_dir import RunDir
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a preempted job should do
 
 
@@ -24,7 +26,7 @@ class Preempted(Exception):
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (saving failed or is disabled)"
         if step < 0:  # this node's workers saved with the job; rank 0, on another node, kept the record
             super().__init__(f"preempted by {signal_name}; rank 0's node records the step and checkpoint "
-                             "(preemption.json in its run directory)")
+                             f"({RunDir.PREEMPTION} in its run directory)")
         else:
             super().__init__(f"preempted by {signal_name} at step {step}; {where}")
 

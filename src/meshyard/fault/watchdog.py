@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from meshyard.metrics.schema import PHASES
+from meshyard.run_dir import RunDir
 from meshyard.runtime.hosts import host_of, rank_on_host
 
 EXIT_HUNG = 124  # the exit status of timeout(1): the job was stopped for taking too long
@@ -134,9 +135,10 @@ class HangWatchdog:
 
     def _on_hang(self, stalled_for: float, limit: float) -> None:
         starting = self.phase == "starting"  # before the pause below, in which it may change
-        hang_dir = self.run_dir / "hang"
+        dumps = RunDir(self.run_dir)
+        hang_dir = dumps.hang
         hang_dir.mkdir(parents=True, exist_ok=True)
-        with open(hang_dir / f"rank{self.rank}.txt", "w") as out:
+        with open(dumps.hang_stacks(self.rank), "w") as out:
             out.write(f"{rank_on_host(self.rank, host_of(self.hosts, self.rank))} made no progress for "
                       f"{stalled_for:.1f}s at step {self.step}, phase {self.phase}\n\n")
             out.flush()
@@ -152,7 +154,7 @@ class HangWatchdog:
             "others_wait_in": sorted(COLLECTIVE_OF_PHASE.get(p, p) for p in waiting_in),
             "hosts": self.hosts,
         }
-        (hang_dir / f"report-rank{self.rank}.json").write_text(json.dumps(report, indent=2))
+        dumps.hang_report(self.rank).write_text(json.dumps(report, indent=2))
         message = startup_message(stalled_for, limit) if starting else hang_message(report)
         self.report(f"{message}. Stacks in {hang_dir}/rank*.txt")
         if self.abort:

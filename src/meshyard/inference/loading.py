@@ -37,10 +37,11 @@ from meshyard.inference.engine import EagerEngine, Engine
 from meshyard.inference.runtimes import describe_export, load_export_engine
 from meshyard.inference.source import KINDS, ModelSource, ModelSourceError, build_served_model
 from meshyard.inference.tokenizer import BYTE_SOURCES, tokenizer_for
+from meshyard.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.toml"
+CONFIG_FILE = RunDir.CONFIG
 
 
 def describe(path: str, name: str | None = None) -> ModelSource:
@@ -172,7 +173,7 @@ def _vocab_size(config: Config, ref: CheckpointRef, path: str) -> int:
     if rows is None:
         raise ModelSourceError(f"{path}: the vocabulary size is not in the run's config (model.vocab_size, "
                                "data.vocab_size) and no token embedding was found in the checkpoint; set "
-                               "model.vocab_size in the run's config.toml and serve it again")
+                               f"model.vocab_size in the run's {RunDir.CONFIG} and serve it again")
     return rows
 
 
@@ -189,7 +190,7 @@ def vocab_from_shapes(shapes: dict[str, tuple[int, ...]]) -> int | None:
 
 def _load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], ref: CheckpointRef) -> None:
     """Copy the checkpoint's tensors into ``module``; every key and shape must match."""
-    fix = "serve the run directory that saved this checkpoint, with its own config.toml"
+    fix = f"serve the run directory that saved this checkpoint, with its own {RunDir.CONFIG}"
     try:
         result = module.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a shape that differs

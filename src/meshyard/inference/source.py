@@ -15,9 +15,10 @@ from meshyard.config.sections import Config
 from meshyard.inference.tokenizer import Tokenizer
 from meshyard.models.registry import build_model
 from meshyard.plugins import PluginError
+from meshyard.run_dir import RunDir
 
-KINDS = ("give a run directory (it holds config.toml and checkpoints/), one of its checkpoints "
-         "(.../checkpoints/step-NNNNNNNN), or a file written by 'meshyard export'")
+KINDS = (f"give a run directory (it holds {RunDir.CONFIG} and {RunDir.CHECKPOINTS}/), one of its checkpoints "
+         f"(.../{RunDir.CHECKPOINTS}/step-NNNNNNNN), or a file written by 'meshyard export'")
 
 
 class ModelSourceError(ValueError):

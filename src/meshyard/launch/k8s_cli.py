@@ -13,6 +13,7 @@ from meshyard.config.load import ConfigError, collect_config
 from meshyard.extras import require
 from meshyard.launch.kubernetes import KINDS, ManifestRequest, manifests
 from meshyard.launch.serve_manifest import IN_FLIGHT_METRIC, ServeRequest, serve_manifests
+from meshyard.run_dir import RunDir
 
 DESCRIPTION = """\
 Print the Kubernetes manifests of a meshyard job, for 'kubectl apply -f -': a ConfigMap
@@ -86,7 +87,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-manifest", help="print the Deployment, Service and autoscaler that serve a run",
                        description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", metavar="RUN", help="the run directory (its config.toml and checkpoints)")
+    p.add_argument("run", metavar="RUN", help=f"the run directory (its {RunDir.CONFIG} and checkpoints)")
     p.add_argument("--image", default="", help="container image with meshyard installed (required)")
     p.add_argument("--name", default="", help="name of the objects (default: run.name)")
     p.add_argument("--namespace", default="", help="namespace of the objects (default: kubectl's)")

@@ -34,16 +34,18 @@ from meshyard.config.checks import node_range
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, did_you_mean
 from meshyard.config.sections import Config
+from meshyard.run_dir import RunDir
 from meshyard.runtime.devices import CPU_DEFAULT_NPROC
 from meshyard.validate import derive_layout, validate
 
 KINDS = ("pytorchjob", "trainjob")
 """What ``--kind`` may name: a Kubeflow PyTorchJob (v1) or a Kubeflow Trainer TrainJob (v2)."""
 CONFIG_DIR = "/etc/meshyard"
-CONFIG_KEY = "config.toml"
+CONFIG_KEY = RunDir.CONFIG  # the pod's config file is named as a run directory's
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GPU_RESOURCE = "nvidia.com/gpu"
+CHECKPOINT_VOLUME = RunDir.CHECKPOINTS  # the volume mounted where the checkpoints go
 # The training operator finds the container and its port by these names; 23456 is its default port.
 PYTORCH_CONTAINER = "pytorch"
 PYTORCH_PORT_NAME = "pytorchjob-port"
@@ -266,7 +268,7 @@ def storage_plan(config: Config, request: ManifestRequest, max_nodes: int) -> tu
     if max_nodes > 1 and ckpt.enabled and (local or protocol == "memory"):
         return "", [f"a job of {max_nodes} pods needs checkpoint storage every pod sees (each rank writes its own "
                     "shards into one folder), but checkpoint.dir = "
-                    f"'{ckpt.dir or '<run dir>/checkpoints'}' is inside each pod: give --checkpoint-pvc NAME "
+                    f"'{ckpt.dir or f'<run dir>/{RunDir.CHECKPOINTS}'}' is inside each pod: give --checkpoint-pvc NAME "
                     "(a ReadWriteMany PersistentVolumeClaim), or set checkpoint.dir = 's3://bucket/prefix' "
                     "(with --storage-secret NAME for its credentials)"]
     return "", []
@@ -316,8 +318,8 @@ def _volumes(job: PodJob, request: ManifestRequest) -> tuple[list[dict[str, Any]
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     if job.volume_path:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": request.checkpoint_pvc}})
-        mounts.append({"name": "checkpoints", "mountPath": job.volume_path})
+        volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": request.checkpoint_pvc}})
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": job.volume_path})
     return volumes, mounts
 
 

@@ -39,6 +39,7 @@ from meshyard.fault.preemption import EXIT_PREEMPTED
 from meshyard.launch.agent import run_agent
 from meshyard.launch.nodes import Nodes, bind_interface, network_note, node_launch_config
 from meshyard.launch.rendezvous import BACKEND, LOOPBACK, register_backend
+from meshyard.run_dir import RunDir
 
 # Signals on which the agent stops its workers whatever the config says (torch's own
 # default set); the configured preemption signals are added to them.
@@ -157,7 +158,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc: int, max_re
         config, chosen = _join_nodes(config, nodes, run_dir)
     started = time.time()
     try:
-        with quiet_agent_logs(run_dir / "logs" / "agent.log" if run_dir is not None else None):
+        with quiet_agent_logs(RunDir(run_dir).agent_log if run_dir is not None else None):
             outcome = run_agent(config, entrypoint, args)
     except SignalException as exc:
         raise LauncherStopped(int(exc.sigval)) from None
@@ -188,7 +189,7 @@ def _join_nodes(config: LaunchConfig, nodes: Nodes, run_dir: Path | None) -> tup
     note = network_note(nodes, os.environ)
     print(note, flush=True)
     if run_dir is not None:
-        log = run_dir / "logs" / "agent.log"
+        log = RunDir(run_dir).agent_log
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as out:
             out.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n")

@@ -35,6 +35,7 @@ from meshyard.config.load import ConfigError, collect_config, parse_override
 from meshyard.config.sections import Config, ServeConfig
 from meshyard.launch.kubernetes import (DNS1035, DNS1123_LABEL, DNS1123_NAME, GPU_RESOURCE, NAME_LIMIT, default_name,
                                        name_problems)
+from meshyard.run_dir import RunDir
 
 CONTAINER = "serve"
 PORT_NAME = "http"
@@ -107,13 +108,13 @@ def read_run(request: ServeRequest) -> tuple[Config, ServeConfig, list[str]]:
     # The ranges 'meshyard serve' checks, refused here rather than by every pod at its start.
     problems += [problem for problem in field_problems(serve) if problem.startswith("serve.")]
     problems += _override_problems(request.serve_overrides)
-    config_file = Path(request.run_dir) / "config.toml"
+    config_file = RunDir(request.run_dir).config
     if not config_file.is_file():
         missing = ("does not exist" if not Path(request.run_dir).exists()
-                   else "is not a run directory: it holds no config.toml")
+                   else f"is not a run directory: it holds no {RunDir.CONFIG}")
         return Config(), serve.serve, [
             f"RUN {request.run_dir!r} {missing}; give the run directory that 'meshyard run' wrote "
-            "(<run.dir>/<run.name>-<id>, with config.toml and checkpoints/)", *problems]
+            f"(<run.dir>/<run.name>-<id>, with {RunDir.CONFIG} and {RunDir.CHECKPOINTS}/)", *problems]
     config, run_problems = collect_config(config_file)
     return config, serve.serve, [*run_problems, *problems]
 
@@ -123,7 +124,7 @@ def _override_problems(overrides: tuple[str, ...]) -> list[str]:
     for text in overrides:
         if not text.startswith(SERVE_FLAG):
             problems.append(f"{text}: serve-manifest takes only --serve.FIELD=VALUE overrides, the settings of the "
-                            "pods' server; the rest of the config is the run's own (its config.toml)")
+                            f"pods' server; the rest of the config is the run's own (its {RunDir.CONFIG})")
         elif text.startswith(f"{SERVE_FLAG}host"):
             problems.append(f"{text}: the pods bind 0.0.0.0 so that the Service reaches them; drop it")
     return problems

@@ -13,6 +13,7 @@ from typing import Any
 
 from meshyard.extras import require
 from meshyard.metrics.schema import EXPORTED_KEYS
+from meshyard.run_dir import RunDir
 
 # The step figures each exporter sends as scalars: the schema's exported fields.
 SCALARS = EXPORTED_KEYS
@@ -34,7 +35,7 @@ class PrometheusExporter:
         self.server, self._thread = client.start_http_server(port, addr=host, registry=self.registry)
         self.url = f"http://{host}:{self.server.server_port}/metrics"
         # Where a scraper (or a test) finds the endpoint when the port was chosen by the OS.
-        (run_dir / "prometheus.json").write_text(json.dumps({"url": self.url}))
+        RunDir(run_dir).prometheus.write_text(json.dumps({"url": self.url}))
 
     def write(self, record: dict[str, Any]) -> None:
         self._gauges["step"].set(record["step"])
@@ -61,7 +62,7 @@ class TensorBoardExporter:
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]

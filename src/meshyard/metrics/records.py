@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshyard.run_dir import RunDir
 from meshyard.runtime.hosts import host_of, rank_on_host
 
 
@@ -41,15 +42,15 @@ class NullWriter:
 
 def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     """A logger writing to ``<run_dir>/logs/rank<N>.log`` (and nowhere else)."""
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = RunDir(run_dir).rank_log(rank)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"meshyard.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     for handler in list(logger.handlers):
         handler.close()
         logger.removeHandler(handler)
-    handler = logging.FileHandler(log_dir / f"rank{rank}.log")
+    handler = logging.FileHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
     logger.addHandler(handler)
     return logger
@@ -57,7 +58,7 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The step records of a run, in order."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(Path(run_dir)).metrics
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -109,7 +110,7 @@ def straggler_message(record: dict[str, Any]) -> str:
 
 def truncate_metrics(run_dir: Path, last_step: int) -> int:
     """Drop records after ``last_step`` (work a restart will redo); returns how many went."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return 0
     lines = [line for line in path.read_text().splitlines() if line.strip()]

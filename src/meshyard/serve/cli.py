@@ -23,25 +23,27 @@ from meshyard.config.checks import CACHE_SCHEMES, section_problems
 from meshyard.config.load import ConfigError, group_override_tokens, load_section
 from meshyard.config.sections import ServeConfig
 from meshyard.extras import MissingExtra, require
+from meshyard.run_dir import RunDir
 
 EXIT_BAD_INPUT = 2
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Serve trained models over HTTP with dynamic batching. Each PATH is a run directory (its
-newest valid checkpoint), one checkpoint (.../checkpoints/step-N) or a file written by
+newest valid checkpoint), one checkpoint (.../{RunDir.CHECKPOINTS}/step-N) or a file written by
 'meshyard export'; a bare PATH is served under its run's name (run.name), NAME=PATH under
 NAME. Models load on their first request (--pin loads them at start-up) and are evicted
 by --serve.memory_budget_bytes.
 
+""" + """\
 API: POST /v1/models/NAME/generate {"prompt": "text"} or {"tokens": [ids]} (max_new_tokens,
 temperature, top_k, seed, timeout_ms); POST /v1/models/NAME/logits {"sequences": [[ids]]}
 or {"prompts": ["text"]} (top_k); GET /v1/models, /healthz, /readyz, /metrics. The header
 X-Model-Version pins a version."""
 
-EPILOG = """\
+EPILOG = f"""\
 examples:
   meshyard serve runs/tiny
-  meshyard serve chat=runs/tiny code=runs/coder/checkpoints/step-00000400 --pin chat
+  meshyard serve chat=runs/tiny code=runs/coder/{RunDir.CHECKPOINTS}/step-00000400 --pin chat
   meshyard serve runs/tiny --canary tiny=runs/tiny-v2:0.1 --cache redis://127.0.0.1:6379/0
   meshyard serve model.onnx --runtime onnxruntime --host 0.0.0.0 --port 8080
 

@@ -48,7 +48,7 @@ from meshyard.parallel.layout import Layout
 from meshyard.parallel.materialize import build_model_deferred, materialize
 from meshyard.parallel.parallelize import Parallelized, parallelize
 from meshyard.parallel.pipeline import example_micro_batch, tied_weight_group
-from meshyard.run_dir import run_id_of
+from meshyard.run_dir import RunDir, run_id_of
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
 from meshyard.runtime.hosts import gather_host_labels
@@ -299,4 +299,4 @@ def resume_trainer(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Pat
 
 def _writer(cfg: Config, runtime: Runtime, run_dir: Path) -> JsonlWriter | NullWriter:
     """metrics.jsonl, written by rank 0."""
-    return JsonlWriter(run_dir / "metrics.jsonl") if runtime.is_main and cfg.metrics.jsonl else NullWriter()
+    return JsonlWriter(RunDir(run_dir).metrics) if runtime.is_main and cfg.metrics.jsonl else NullWriter()
