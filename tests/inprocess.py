@@ -21,8 +21,7 @@ import torch.distributed as dist
 from meshyard.config.sections import Config
 from meshyard.metrics.records import read_metrics
 from meshyard.runtime.distributed import Runtime
-from meshyard.train.build import build_trainer
-from meshyard.train.trainer import Trainer
+from meshyard.train.build import BuiltRun, build_trainer
 from meshyard.validate import validate
 from tests.ranks import run_on_ranks
 
@@ -34,15 +33,15 @@ def cpu_runtime(rank: int = 0, world_size: int = 1) -> Runtime:
     return Runtime(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
 
 
-def fitted(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1, resume: str = "auto") -> Trainer:
-    """A trainer built for ``cfg`` on this rank, fitted and closed (its progress, facts and
-    model stay readable)."""
-    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), run_dir, resume)
+def fitted(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1, resume: str = "auto") -> BuiltRun:
+    """A trainer built for ``cfg`` on this rank, fitted and closed (its progress and model
+    stay readable), with the run's facts."""
+    built = build_trainer(cfg, cpu_runtime(rank, world_size), run_dir, resume)
     try:
-        trainer.fit()
+        built.trainer.fit()
     finally:
-        trainer.close()
-    return trainer
+        built.trainer.close()
+    return built
 
 
 def _records(cfg: Config) -> Records:
@@ -61,7 +60,7 @@ def fit_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Facts]:
     for cfg, resume in jobs:
         run_dir = Path(cfg.run.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        facts.append(fitted(cfg, run_dir, rank, world_size, resume).facts)
+        facts.append(fitted(cfg, run_dir, rank, world_size, resume).facts.record())
         dist.barrier()  # rank 0's records and checkpoints are complete before the next job starts
     return facts
 

@@ -32,8 +32,8 @@ from meshyard.run_dir import RunDir, run_id_of
 from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.distributed import Runtime, init_distributed, rank0_decides, shutdown_distributed
 from meshyard.runtime.job import Job
-from meshyard.train.build import build_trainer
-from meshyard.train.trainer import Trainer
+from meshyard.metrics.console import NullDisplay, ProgressDisplay
+from meshyard.train.build import BuiltRun, build_trainer
 
 
 def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None:
@@ -127,10 +127,11 @@ def _train(cfg: Config, runtime: Runtime, job: Job, where: _Whereabouts, resume:
     run_dir = Path(rank0_decides(lambda: str(_open_run_dir(cfg, job, where.run_dir))))
     run_dir.mkdir(parents=True, exist_ok=True)  # where ranks do not share rank 0's folder
     where.run_dir = run_dir
-    trainer = build_trainer(cfg, runtime, run_dir, resume, watcher)
+    built = build_trainer(cfg, runtime, run_dir, resume, watcher)
+    trainer, facts, observers = built.trainer, built.facts, built.observers
     try:
-        _note_restart(trainer, cfg, run_dir)
-        _announce(trainer, cfg, runtime, job, run_dir)
+        _note_restart(observers.display, cfg, run_dir)
+        _announce(built, cfg, runtime, job, run_dir)
         summary = trainer.fit()
     except Preempted as stop:
         # Rank 0 keeps the run's record; every rank leaves a copy in its node's logs, so
@@ -139,14 +140,14 @@ def _train(cfg: Config, runtime: Runtime, job: Job, where: _Whereabouts, resume:
         raise
     finally:
         trainer.close()
-    trainer.sinks.logger.info("finished: %s", json.dumps(summary))
+    observers.logger.info("finished: %s", json.dumps(summary))
     dist.barrier()
     if not runtime.is_main:
         return None
     summary = {**summary, "run_dir": str(run_dir), "world_size": runtime.world_size,
-               "strategy": cfg.parallel.strategy, "parameters": trainer.facts["parameters"]}
+               "strategy": cfg.parallel.strategy, "parameters": facts.parameters}
     RunDir(run_dir).write_summary(summary)
-    trainer.sinks.display.summary(summary)
+    observers.display.summary(summary)
     return summary
 
 
@@ -171,30 +172,31 @@ def _identity(cfg: Config, job: Job, run_dir: Path) -> dict[str, Any]:
             RunDir.CHECKPOINTS_FACT: root if "://" in root else str(Path(root).expanduser().resolve())}
 
 
-def _announce(trainer: Trainer, cfg: Config, runtime: Runtime, job: Job, run_dir: Path) -> None:
+def _announce(built: BuiltRun, cfg: Config, runtime: Runtime, job: Job, run_dir: Path) -> None:
     """The run's facts to the rank log, run.json and restarts.jsonl (rank 0), and one
     line on the console."""
-    facts, batch = trainer.facts, trainer.batch
-    trainer.sinks.logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(facts))
-    resumed = facts.get("resumed_from")
+    facts, observers = built.facts, built.observers
+    record = facts.record()
+    observers.logger.info("started: pid %d restart %d %s", os.getpid(), restart_count(), json.dumps(record))
+    resumed = facts.resumed_from
     if runtime.is_main:
-        _write_run_record(run_dir, cfg, {**facts, **_identity(cfg, job, run_dir)})
-        _record_restart(run_dir, resumed["checkpoint"] if resumed else None, trainer.progress.step)
-    trainer.sinks.display.note(
-        f"meshyard: {facts['parameters']:,} parameters, {runtime.world_size} rank(s) on {runtime.device.type}/"
-        f"{runtime.backend}, strategy {cfg.parallel.strategy}, global batch {batch.global_batch} = "
-        f"{batch.micro_batch} x {batch.grad_accum} accum x {batch.dp_size} dp; data {facts['data']}"
-        + (f"; resumed from {resumed['checkpoint']} at step {trainer.progress.step}" if resumed else "")
+        _write_run_record(run_dir, cfg, {**record, **_identity(cfg, job, run_dir)})
+        _record_restart(run_dir, resumed.checkpoint if resumed else None, resumed.step if resumed else 0)
+    observers.display.note(
+        f"meshyard: {facts.parameters:,} parameters, {runtime.world_size} rank(s) on {runtime.device.type}/"
+        f"{runtime.backend}, strategy {cfg.parallel.strategy}, global batch {facts.global_batch} = "
+        f"{facts.micro_batch} x {facts.grad_accum} accum x {facts.dp_size} dp; data {facts.data}"
+        + (f"; resumed from {resumed.checkpoint} at step {resumed.step}" if resumed else "")
     )
 
 
-def _note_restart(trainer: Trainer, cfg: Config, run_dir: Path) -> None:
+def _note_restart(display: ProgressDisplay | NullDisplay, cfg: Config, run_dir: Path) -> None:
     """After the elastic agent restarted the workers, one line on the console saying why:
     the agent's own report of the failure is kept off it (``launch.local``)."""
     job, restart = this_attempt()
     if restart > 0:
         cause = first_failure(run_dir, job, restart - 1) or f"a worker ended (see {RunDir(run_dir).agent_log})"
-        trainer.sinks.display.note(f"meshyard: restart {restart} of fault.max_restarts = "
+        display.note(f"meshyard: restart {restart} of fault.max_restarts = "
                                    f"{cfg.fault.max_restarts}, after {cause}")
 
 

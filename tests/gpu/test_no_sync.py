@@ -31,7 +31,7 @@ def test_steady_steps_do_not_synchronise(make_config, tmp_path, dtype):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-    trainer = build_trainer(cfg, Runtime(0, 1, 0, device, "nccl"), run_dir, "none")
+    trainer = build_trainer(cfg, Runtime(0, 1, 0, device, "nccl"), run_dir, "none").trainer
     assert trainer.read_ahead
     issue = trainer.issue_step
 

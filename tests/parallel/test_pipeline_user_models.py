@@ -47,7 +47,7 @@ INTERLEAVED = (*PIPELINED, "--parallel.pp_schedule=interleaved1f1b", "--parallel
 
 
 def _fit(folder: Path, overrides: tuple[str, ...], rank: int = 0, world_size: int = 1, resume: str = "auto") -> dict:
-    trainer = fitted(tiny_config(folder, *overrides), folder / "run", rank, world_size, resume)
+    trainer = fitted(tiny_config(folder, *overrides), folder / "run", rank, world_size, resume).trainer
     names = sorted(name for name, _ in trainer.model.named_parameters())
     return {"losses": list(trainer.progress.losses), "names": names}
 

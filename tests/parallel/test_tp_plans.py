@@ -197,7 +197,7 @@ CASES = {
 
 def _losses(tmp: str, rank: int, world_size: int, name: str, overrides: tuple[str, ...]) -> list[float]:
     cfg = tiny_config(Path(tmp) / name, *overrides)
-    return fitted(cfg, Path(tmp) / name / "run", rank, world_size).progress.losses
+    return fitted(cfg, Path(tmp) / name / "run", rank, world_size).trainer.progress.losses
 
 
 def _train_cases(rank: int, world_size: int, tmp: str, cases: dict[str, tuple[str, ...]]) -> dict[str, list[float]]:

@@ -137,7 +137,7 @@ def test_pipeline_stages_keep_their_blocks_under_the_whole_models_class():
 
 def _train(rank: int, world_size: int, tmp: str, overrides: tuple[str, ...]) -> dict:
     cfg = tiny_config(Path(tmp), f"--model.name={USER_MODELS}:nanogpt", *overrides)
-    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / "run")
+    trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / "run").trainer
     model = unwrap(trainer.model)
     blocks = list(model.transformer.h)
     try:

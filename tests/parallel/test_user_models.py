@@ -103,12 +103,12 @@ def _describe_error(error: BaseException) -> str:
 def _fit(cfg, rank: int, world_size: int, run_dir: Path) -> dict:
     """The per-step losses of a trainer fitted on ``cfg``, and what its layout did to the
     model on this rank (so that a cell cannot pass by training some other layout)."""
-    trainer = fitted(cfg, run_dir, rank, world_size)
-    model = unwrap(trainer.model)
-    return {"losses": list(trainer.progress.losses),
-            "layout": {key: trainer.facts[key] for key in ("strategy", "dp_shard", "tp", "pp")},
+    built = fitted(cfg, run_dir, rank, world_size)
+    model, facts = unwrap(built.trainer.model), built.facts
+    return {"losses": list(built.trainer.progress.losses),
+            "layout": {"strategy": facts.strategy, "dp_shard": facts.dp_shard, "tp": facts.tp, "pp": facts.pp},
             "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
-            "checkpointed_blocks": checkpointed_blocks(model) if trainer.facts["pp"] == 1 else 0}
+            "checkpointed_blocks": checkpointed_blocks(model) if facts.pp == 1 else 0}
 
 
 def _run_case(rank: int, world_size: int, folder: Path, case: str, overrides: tuple[str, ...]) -> dict:
@@ -205,7 +205,7 @@ def one_process_fits(request: pytest.FixtureRequest) -> dict[str, dict]:
         for model in filter(_available, MODELS):
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             try:
-                trainer = fitted(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), folder / model / "run")
+                trainer = fitted(tiny_config(folder / model, *_overrides(model, ONE_PROCESS)), folder / model / "run").trainer
             finally:
                 dist.destroy_process_group()
             fits[model] = {"losses": list(trainer.progress.losses),

@@ -28,7 +28,8 @@ def one_rank():
 
 def test_a_trainer_built_in_process_trains_and_records(one_rank, tmp_path):
     cfg = tiny_config(tmp_path, "--train.steps=6", "--parallel.strategy=none")
-    trainer = build_trainer(cfg, one_rank, tmp_path / "run")
+    built = build_trainer(cfg, one_rank, tmp_path / "run")
+    trainer = built.trainer
     assert isinstance(trainer.runner, MicroBatchStep) and isinstance(trainer.checkpoints, Checkpointer)
     try:
         summary = trainer.fit()
@@ -37,7 +38,9 @@ def test_a_trainer_built_in_process_trains_and_records(one_rank, tmp_path):
     assert summary["steps"] == 6 and summary["final_loss"] < summary["first_loss"]
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 7))
-    assert trainer.facts["strategy"] == "none" and trainer.facts["parameters"] > 0
+    assert built.facts.strategy == "none" and built.facts.parameters > 0 and built.facts.resumed_from is None
+    record = built.facts.record()  # run.json's entries, flat
+    assert record["strategy"] == "none" and "resumed_from" not in record and record["hosts"] == list(built.facts.hosts)
 
 
 def _losses(trainer) -> list[float]:
@@ -55,11 +58,12 @@ def test_a_rebuilt_trainer_resumes_exactly_from_the_checkpointer(one_rank, tmp_p
     cfg = tiny_config(tmp_path, "--train.steps=6", "--parallel.strategy=none", "--checkpoint.enabled=true",
                       "--checkpoint.interval=3", "--checkpoint.async_save=false", "--model.dropout=0.1")
     run_dir = tmp_path / "run"
-    full = _losses(build_trainer(cfg, one_rank, run_dir))
+    full = _losses(build_trainer(cfg, one_rank, run_dir).trainer)
     shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
     resumed = build_trainer(cfg, one_rank, run_dir)
-    assert resumed.progress.step == 3 and resumed.facts["resumed_from"]["step"] == 3
-    assert _losses(resumed) == full[3:]
+    assert resumed.trainer.progress.step == 3 and resumed.facts.resumed_from.step == 3
+    assert resumed.facts.record()["resumed_from"]["checkpoint"].endswith("step-00000003")
+    assert _losses(resumed.trainer) == full[3:]
 
 
 def test_a_part_added_to_the_bundle_is_saved_and_restored(one_rank, tmp_path):
@@ -75,11 +79,11 @@ def test_a_part_added_to_the_bundle_is_saved_and_restored(one_rank, tmp_path):
 
     cfg = tiny_config(tmp_path, "--parallel.strategy=none", "--checkpoint.enabled=true",
                       "--checkpoint.async_save=false", "--train.steps=2")
-    trainer = build_trainer(cfg, one_rank, tmp_path / "run")
+    trainer = build_trainer(cfg, one_rank, tmp_path / "run").trainer
     counter = trainer.checkpoints.state.shared["counter"] = Counter()
     counter.value = 41
     _losses(trainer)  # saves the final checkpoint, with the counter
-    rebuilt = build_trainer(cfg, one_rank, tmp_path / "other")
+    rebuilt = build_trainer(cfg, one_rank, tmp_path / "other").trainer
     restored = rebuilt.checkpoints.state.shared["counter"] = Counter()
     point = rebuilt.checkpoints.choose(str(tmp_path / "run"), str(tmp_path / "other" / "checkpoints"), False,
                                        print, 1)
@@ -101,7 +105,7 @@ def _two_rank_layouts(rank: int, world_size: int, tmp: str, layouts: dict[str, t
     results = {}
     for name, overrides in layouts.items():
         cfg = tiny_config(Path(tmp) / name, *overrides)
-        trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / name / "run")
+        trainer = build_trainer(cfg, cpu_runtime(rank, world_size), Path(tmp) / name / "run").trainer
         layout = trainer.layout
         losses = _losses(trainer)
         results[name] = {"runner": type(trainer.runner).__name__, "data_parallel": layout.data_parallel,

@@ -35,7 +35,7 @@ def _trainer(tmp_path: Path, name: str, read_ahead: bool, *overrides: str) -> Tr
     cfg = tiny_config(tmp_path / name, *overrides)
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True)
-    trainer = build_trainer(cfg, cpu_runtime(), run_dir, "none")
+    trainer = build_trainer(cfg, cpu_runtime(), run_dir, "none").trainer
     trainer.read_ahead = read_ahead
     trainer.run_dir = run_dir  # where its records are, for the test
     return trainer

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -27,8 +27,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-if TYPE_CHECKING:  # storage.py builds the writers below
-    from meshyard.checkpoint.storage import CheckpointStore
+
+
+class CheckpointStore(Protocol):
+    """What digesting needs of a store (``checkpoint.storage.CheckpointStore``, which builds
+    the writers below and so cannot be imported here)."""
+
+    fs: Any
+
+    def open(self, path: str, mode: str = "rb") -> IO[bytes]: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def read_json(self, path: str) -> Any: ...
+
+    def write_text(self, path: str, text: str) -> None: ...
+
 
 _CHUNK = 4 * 1024 * 1024
 DCP_METADATA = ".metadata"

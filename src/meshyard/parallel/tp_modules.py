@@ -1,5 +1,7 @@
 """How tensor parallelism reads a module: projections and their widths, the output head
-and token embedding, tied parameters, and the attention attributes a split changes.
+and token embedding, tied parameters, and the attention attributes a split changes; and
+the plan it resolves to (``Split`` per module, ``TPPlan``), which ``tp_plans`` builds and
+``tp_trial`` tries.
 
 The head rule. After a split, a rank's attention holds 1/tp of the heads, and a forward
 that reads its head count or width from attributes must read the per-rank values. An
@@ -19,8 +21,35 @@ Nothing here needs a process group or tensor values: it all works on the meta de
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one module is split: ``style`` ('colwise', 'rowwise' or 'replicate'), the
+    equal blocks of a fused colwise projection (``parts``), and whether a colwise
+    module returns its full output (``gather``: no rowwise sibling takes its slice)."""
+
+    style: str
+    parts: int = 1
+    gather: bool = False
+
+
+@dataclass
+class TPPlan:
+    """A resolved plan: concrete module names, the attention modules the head rule
+    adjusts, the output head (vocabulary-split logits under loss parallel), notes for
+    the rank log and problems found while resolving."""
+
+    source: str
+    splits: dict[str, Split] = field(default_factory=dict)
+    attention: list[str] = field(default_factory=list)
+    output_head: str | None = None
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
 
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head",
                "n_kv_heads", "num_kv_heads")

@@ -37,45 +37,20 @@ divisible by tp; ``tp_problems`` names each that is not, and what else cannot be
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from torch import nn
 
 from meshyard.config.sections import ParallelConfig
-from meshyard.parallel.tp_modules import (HEAD_COUNTS, KV_HEAD_COUNTS, WIDTHS, first_int, holds_heads, in_features,
-                                          input_embedding_name, int_attribute, is_projection, out_features,
-                                          output_head_name, pattern_of, tied_groups)
+from meshyard.parallel.tp_modules import (HEAD_COUNTS, KV_HEAD_COUNTS, Split, TPPlan, WIDTHS, first_int, holds_heads,
+                                             in_features, input_embedding_name, int_attribute, is_projection,
+                                             out_features, output_head_name, pattern_of, tied_groups)
 from meshyard.parallel.tp_trial import trial_problems
 
 
 class TPPlanError(ValueError):
     """A model that tensor parallelism cannot split as asked."""
-
-
-@dataclass(frozen=True)
-class Split:
-    """How one module is split: ``style`` ('colwise', 'rowwise' or 'replicate'), the
-    equal blocks of a fused colwise projection (``parts``), and whether a colwise
-    module returns its full output (``gather``: no rowwise sibling takes its slice)."""
-
-    style: str
-    parts: int = 1
-    gather: bool = False
-
-
-@dataclass
-class TPPlan:
-    """A resolved plan: concrete module names, the attention modules the head rule
-    adjusts, the output head (vocabulary-split logits under loss parallel), notes for
-    the rank log and problems found while resolving."""
-
-    source: str
-    splits: dict[str, Split] = field(default_factory=dict)
-    attention: list[str] = field(default_factory=list)
-    output_head: str | None = None
-    notes: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,14 @@ Face models call ``.item()`` there and are left to the workers; their forwards r
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshyard.parallel.tp_modules import in_features, out_features, pattern_of, per_rank_attributes
-
-if TYPE_CHECKING:  # tp_plans asks this module; it needs the plan's types for annotations only
-    from meshyard.parallel.tp_plans import Split, TPPlan
+from meshyard.parallel.tp_modules import Split, TPPlan, in_features, out_features, pattern_of, per_rank_attributes
 
 
 def trial_problems(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:

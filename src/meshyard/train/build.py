@@ -12,8 +12,8 @@ in-process too. The steps, in order, each a function below:
 5. optimization: optimizer (ZeRO-1 partitioned when the layout says so), LR schedule,
    precision;
 6. checkpointer: the bundle of Stateful parts and the manager that commits them;
-7. the Trainer, then resume: every rank agrees on the checkpoint to start from and
-   loads it.
+7. the Trainer and the run's facts (``train.facts.RunFacts``), then resume: every rank
+   agrees on the checkpoint to start from and loads it.
 
 What the layout implies is asked of ``Layout``; nothing here branches on the strategy.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +52,7 @@ from meshyard.run_dir import RunDir, run_id_of
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
 from meshyard.runtime.hosts import gather_host_labels
+from meshyard.train.facts import Resumed, RunFacts, Throughput
 from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr, step_implementation
 from meshyard.train.pipeline_step import PipelineStep
 from meshyard.train.precision import build_precision, resolve_dtype
@@ -88,10 +89,20 @@ class Placement:
     dp_rank: int
 
 
+@dataclass(frozen=True)
+class BuiltRun:
+    """A rank's Trainer ready to fit, what the run is, and where the rank reports."""
+
+    trainer: Trainer
+    facts: RunFacts
+    observers: Observers
+
+
 def build_trainer(cfg: Config, runtime: Runtime, run_dir: Path, resume: str = "auto",
-                  preemption: PreemptionWatcher | NullWatcher | None = None) -> Trainer:
+                  preemption: PreemptionWatcher | NullWatcher | None = None) -> BuiltRun:
     """A Trainer for this rank of the job ``runtime`` describes, resumed as ``resume``
-    says (``auto``, ``none``, or a location ``checkpoint.locate`` understands).
+    says (``auto``, ``none``, or a location ``checkpoint.locate`` understands), with the
+    run's facts (where it resumed from among them) and its observers.
 
     The config must have been validated for this world size (``meshyard.validate``);
     here only the layout is derived. Every rank calls this together: it runs collectives.
@@ -101,21 +112,21 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir: Path, resume: str = "a
                           "directory; pass that directory as run_dir (with resume = 'auto') or as resume")
     observers = observe(cfg, runtime, run_dir)
     try:
-        trainer = assemble(cfg, runtime, run_dir, observers, preemption)
+        trainer, facts = assemble(cfg, runtime, run_dir, observers, preemption)
     except BaseException:
         observers.watchdog.stop()  # no trainer to close it: the watchdog would report a hang later
         raise
     try:
-        resume_trainer(trainer, cfg, runtime, run_dir, resume, observers.report)
+        resumed = resume_trainer(trainer, cfg, runtime, run_dir, resume, observers.report)
     except BaseException:
         trainer.close()
         raise
-    return trainer
+    return BuiltRun(trainer, replace(facts, resumed_from=resumed), observers)
 
 
 def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
-             preemption: PreemptionWatcher | NullWatcher | None) -> Trainer:
-    """Steps 2 to 7 above, up to a Trainer that has not resumed yet."""
+             preemption: PreemptionWatcher | NullWatcher | None) -> tuple[Trainer, RunFacts]:
+    """Steps 2 to 7 above, up to a Trainer that has not resumed yet, and the run's facts."""
     placement = place(cfg, runtime)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     if cfg.train.deterministic:
@@ -124,26 +135,34 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     data = build_data(cfg.data, batch.global_batch, batch.micro_batch, placement.dp_rank, batch.dp_size,
                       cfg.train.seed, runtime.device)
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
-    parallelized, facts = build_parallel_model(cfg, runtime, placement, data, dtype, observers)
-    meter, throughput_facts = build_meter(cfg.metrics, observers.timer, parallelized.model, cfg.data.seq_len,
-                                          runtime.device, dtype, runtime.world_size, observers.hosts)
+    parallelized, parameters, model_init = build_parallel_model(cfg, runtime, placement, data, dtype, observers)
+    meter, throughput = build_meter(cfg.metrics, observers.timer, parallelized.model, cfg.data.seq_len,
+                                    runtime.device, dtype, runtime.world_size, observers.hosts)
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
+    compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
+    runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
+                               Compilation(cfg.train.compile) if compile_whole else None)
+    facts = RunFacts(
+        parameters=parameters, model_init=model_init, compiled=runner.compilation.describe() or "nothing",
+        world_size=runtime.world_size, local_world_size=_local_world_size(runtime), backend=runtime.backend,
+        device=str(runtime.device), **placement.layout.facts(), hosts=observers.hosts,
+        global_batch=batch.global_batch, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+        dtype=str(dtype).removeprefix("torch."), peak_lr=scaled_peak_lr(cfg.optim, batch.global_batch),
+        optimizer_step=step_implementation([p for group in optimization.optimizer.param_groups
+                                            for p in group["params"]]),
+        data=data.description, train_samples=data.train_samples, memory_capacity_bytes=meter.memory.capacity,
+        throughput=Throughput(**throughput) if throughput else None,
+    )
     progress = TrainProgress()
-    facts.update(run_facts(cfg, runtime, placement, data, dtype, optimization), **throughput_facts,
-                 memory_capacity_bytes=meter.memory.capacity, hosts=list(observers.hosts))
     checkpointer = build_checkpointer(cfg, runtime, run_dir, parallelized, optimization, data, placement.batch,
                                       progress, facts, observers.report)
     services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
                               build_exporters(cfg.metrics, run_dir) if runtime.is_main else []),
                         meter, checkpointer, preemption or NullWatcher(), observers.watchdog)
-    compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
-    runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
-                               Compilation(cfg.train.compile) if compile_whole else None)
-    facts["compiled"] = runner.compilation.describe() or "nothing"
     trainer = Trainer(parallelized, runner,
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
-                      progress, on_nonfinite=cfg.fault.on_nonfinite, facts=facts)
-    return trainer
+                      progress, on_nonfinite=cfg.fault.on_nonfinite)
+    return trainer, facts
 
 
 def observe(cfg: Config, runtime: Runtime, run_dir: Path) -> Observers:
@@ -173,10 +192,10 @@ def place(cfg: Config, runtime: Runtime) -> Placement:
 
 
 def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, data: DataBundle,
-                         dtype: torch.dtype, observers: Observers) -> tuple[Parallelized, dict[str, Any]]:
+                         dtype: torch.dtype, observers: Observers) -> tuple[Parallelized, int, str]:
     """The model, parallelized by the layout. Under FSDP and pipelining it is built on the
     meta device and materialized after sharding: no rank ever holds the whole model.
-    Returns it and facts for run.json (parameters, how it was initialised)."""
+    Returns it, its number of parameters and how it was initialised ("meta" or "device")."""
     layout = placement.layout
     model, init_record = build_model_deferred(lambda: build_model(cfg.model, data.vocab_size, cfg.data.seq_len),
                                               runtime.device, layout.meta_init, observers.logger.info,
@@ -196,7 +215,7 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
     del init_record  # it holds the values of tensors built with them, in full
     if timer.enabled and layout.times_fsdp_waits(runtime.device.type):
         timer.fsdp.attach(parallelized.model)  # FSDP's forward all-gather waits count as communication
-    return parallelized, {"parameters": n_params, "model_init": model_init}
+    return parallelized, n_params, model_init
 
 
 def build_optimization(cfg: Config, parallelized: Parallelized, placement: Placement, dtype: torch.dtype,
@@ -230,22 +249,6 @@ def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization
                         device, tied_group, parallelized.compilation)
 
 
-def run_facts(cfg: Config, runtime: Runtime, placement: Placement, data: DataBundle, dtype: torch.dtype,
-              optimization: Optimization) -> dict[str, Any]:
-    """What this run is, for run.json and the rank log."""
-    batch = placement.batch
-    return {
-        "world_size": runtime.world_size, "backend": runtime.backend, "device": str(runtime.device),
-        **placement.layout.facts(),
-        "global_batch": batch.global_batch, "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum,
-        "dtype": str(dtype).removeprefix("torch."), "peak_lr": scaled_peak_lr(cfg.optim, batch.global_batch),
-        "optimizer_step": step_implementation([p for group in optimization.optimizer.param_groups
-                                               for p in group["params"]]),
-        "data": data.description, "train_samples": data.train_samples,
-        "local_world_size": _local_world_size(runtime),
-    }
-
-
 def _local_world_size(runtime: Runtime) -> int:
     """Ranks sharing this host (they share its memory on CPU)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size if runtime.store is None else 1))
@@ -253,7 +256,7 @@ def _local_world_size(runtime: Runtime) -> int:
 
 def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelized: Parallelized,
                        optimization: Optimization, data: DataBundle, batch: BatchPlan, progress: TrainProgress,
-                       facts: dict[str, Any], report: Callable[[str], None]) -> Checkpointer:
+                       facts: RunFacts, report: Callable[[str], None]) -> Checkpointer:
     """The checkpointer over this run's Stateful parts. Its manifests carry the layout and
     the config, and this run's id (the same on every rank and every restart)."""
     optimizer = optimization.optimizer
@@ -268,9 +271,7 @@ def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelize
     run_id = rank0_decides(lambda: run_id_of(run_dir))  # marks this run's checkpoints
     if not cfg.checkpoint.enabled:
         return Checkpointer(NullCheckpointManager(), state, runtime.rank, cfg.checkpoint)
-    manifest_facts = {key: facts[key] for key in ("world_size", "strategy", "dp_replicate", "dp_shard",
-                                                  "global_batch", "micro_batch")}
-    manifest_facts.update(config_hash=config_hash(cfg), config=config_to_toml(cfg))
+    manifest_facts = {**facts.manifest(), "config_hash": config_hash(cfg), "config": config_to_toml(cfg)}
     store = CheckpointStore(checkpoint_root(cfg.checkpoint, run_dir), cfg.checkpoint.storage_options)
     manager = CheckpointManager(cfg.checkpoint, store, runtime.rank, report, manifest_facts, run_id,
                                 pinned_staging=runtime.device.type == "cuda")
@@ -278,23 +279,23 @@ def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelize
 
 
 def resume_trainer(trainer: Trainer, cfg: Config, runtime: Runtime, run_dir: Path, resume: str,
-                   report: Callable[[str], None]) -> None:
-    """Load the checkpoint every rank agrees on (if any) and seed what it did not restore.
-    Notes where the run resumed from in ``trainer.facts``."""
+                   report: Callable[[str], None]) -> Resumed | None:
+    """Load the checkpoint every rank agrees on (if any) and seed what it did not restore;
+    returns where the run resumed from (None for a fresh start)."""
     verify_start = time.perf_counter()
     point = trainer.checkpoints.choose(resume, checkpoint_root(cfg.checkpoint, run_dir), restart_count() > 0, report,
                                        runtime.world_size)
     verify_s = time.perf_counter() - verify_start
-    restored_rng = False
+    restored_rng, resumed = False, None
     if point is not None:
         load_start = time.perf_counter()
         restored_rng = trainer.checkpoints.load(point)
-        trainer.facts["resumed_from"] = {"checkpoint": point.location, "step": trainer.progress.step,
-                                         "load_s": time.perf_counter() - load_start, "verify_s": verify_s}
+        resumed = Resumed(point.location, trainer.progress.step, time.perf_counter() - load_start, verify_s)
     if not restored_rng:
         # Different dropout masks per data-parallel rank; after a resume on another
         # layout, also different from the masks of the steps already taken.
         torch.manual_seed(cfg.train.seed + 1 + trainer.dp_rank + 1_000_003 * trainer.progress.step)
+    return resumed
 
 
 def _writer(cfg: Config, runtime: Runtime, run_dir: Path) -> JsonlWriter | NullWriter:

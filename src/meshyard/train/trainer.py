@@ -162,7 +162,7 @@ class Trainer:
 
     def __init__(self, parallelized: Parallelized, runner: StepRunner, optimization: Optimization, feed: Feed,
                  cfg: TrainConfig, services: Services, progress: TrainProgress, on_nonfinite: str = "warn",
-                 facts: dict[str, Any] | None = None, read_ahead: bool | None = None) -> None:
+                 read_ahead: bool | None = None) -> None:
         self.model = parallelized.model
         self.compression = parallelized.compression
         self.layout = parallelized.layout
@@ -179,8 +179,6 @@ class Trainer:
         self.timer = self.meter.timer
         self.on_nonfinite = on_nonfinite
         self.progress = progress
-        self.facts: dict[str, Any] = facts if facts is not None else {}
-        """What this run is (layout, batch, data, model), as recorded in run.json."""
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._last_eval_loss: float | None = None
         self._checkpoint_stall: float | None = None
