@@ -112,6 +112,41 @@ def test_models_never_import_torch_distributed():
     assert not found, "models/ are plain nn.Modules, without torch.distributed:\n" + "\n".join(found)
 
 
+LAYERS = [
+    ("launch", ("meshyard.jobs", "meshyard.plan"),
+     "launch/ only starts processes; job descriptions live in jobs/, placement in plan/"),
+    ("plan", ("meshyard.launch", "meshyard.jobs"),
+     "plan/ (placement included) sits below launch/ and jobs/"),
+    ("jobs", ("meshyard.cli",),
+     "jobs/ is a library under the command line"),
+]
+"""(folder under src/meshyard, packages it must not import, why): DESIGN.md's layout where it is checked."""
+
+JOBS_IMPORTERS = ("meshyard.cli", "meshyard.jobs")
+"""Job descriptions sit near the top of the layout: only the command line imports them."""
+
+
+@pytest.mark.parametrize("folder, forbidden, why", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_packages_import_only_what_sits_below_them(folder, forbidden, why):
+    found = offending_imports(folder, lambda name: any(_within(name, package) for package in forbidden))
+    assert not found, f"{why}:\n" + "\n".join(found)
+
+
+def test_only_the_command_line_imports_the_job_descriptions():
+    found = [f"{path.relative_to(ROOT.parent)}:{line} imports {name}"
+             for path in sorted(SRC.rglob("*.py"))
+             if not any(_within(_module_name(path), allowed) for allowed in JOBS_IMPORTERS)
+             for line, name in imports(path) if _within(name, "meshyard.jobs")]
+    assert not found, "only meshyard.cli may import meshyard.jobs:\n" + "\n".join(found)
+
+
+def test_launch_holds_only_what_starts_processes():
+    modules = sorted(path.stem for path in (SRC / "launch").glob("*.py") if path.stem != "__init__")
+    assert modules == ["agent", "local", "nodes", "rendezvous"], (
+        "launch/ starts processes (local, agent, nodes, rendezvous); job descriptions go to jobs/, "
+        f"placement to plan/: found {modules}")
+
+
 def _source_of(module: str) -> Path | None:
     relative = Path(*module.split("."))
     for candidate in (ROOT / relative.with_suffix(".py"), ROOT / relative / "__init__.py"):

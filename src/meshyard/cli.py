@@ -14,11 +14,11 @@ from meshyard.export import cli as export_cli
 from meshyard.extras import MissingExtra
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
-from meshyard.launch import k8s_cli
+from meshyard.jobs import k8s_cli
+from meshyard.jobs import slurm_cli
 from meshyard.launch.local import WorkerFailure
-from meshyard.launch import place_cli
-from meshyard.launch import slurm_cli
 from meshyard.plan import cli as plan_cli
+from meshyard.plan import place_cli
 from meshyard.serve import cli as serve_cli
 from meshyard.verify import cli as verify_cli
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from meshyard.plan.cli import add_parser, build_parser, main
+from meshyard.plan.inputs import strategies_from_args
 
 
 def _run(*argv: str) -> int:
@@ -48,6 +49,27 @@ def test_config_file_supplies_defaults(tmp_path, capsys):
     assert "gpt-mini" in out and "vocab=256" in out and "Global batch 64 x 256 tokens" in out
 
 
+@pytest.mark.parametrize("argv, planned", [
+    (["--strategy", "fsdp"], ("fsdp3",)),
+    (["--strategy", "fsdp", "--reshard-after-forward", "true"], ("fsdp3",)),
+    (["--strategy", "fsdp", "--reshard-after-forward", "false"], ("fsdp2",)),
+    (["--strategy", "ddp,fsdp,hsdp"], ("ddp", "fsdp3", "hsdp")),
+    (["--strategy", "fsdp2,fsdp3,hsdp"], ("fsdp2", "fsdp3", "hsdp")),  # the planner's own names still work
+    (["--strategy", "fsdp,fsdp3"], ("fsdp3",)),
+    ([], ()),
+])
+def test_strategy_takes_the_configs_names(argv, planned):
+    assert strategies_from_args(build_parser().parse_args(argv)) == planned
+
+
+def test_a_config_name_plans_the_same_layouts_as_the_planners(capsys):
+    outputs = []
+    for strategy in ("fsdp", "fsdp3"):
+        assert _run("--model", "gpt-tiny", "--gpus", "2", "--seq-len", "128", "--strategy", strategy) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "fsdp3 dp=2" in outputs[0]
+
+
 def test_scale_table_and_plot(tmp_path, capsys):
     png = tmp_path / "scale.png"
     code = _run("--model", "gpt2-124m", "--scale", "8,64,512,4096", "--strategy", "ddp", "--out", str(png))
@@ -75,6 +97,7 @@ def test_list_hardware(capsys):
     (["--tp", "1,x"], "--tp '1,x' is not a comma-separated list"),
     (["--tp", "0"], "--tp '0' must list numbers of at least 1"),
     (["--strategy", "ddp,fsdp9"], "--strategy 'ddp,fsdp9' has unknown value(s) fsdp9"),
+    (["--strategy", "ddp", "--reshard-after-forward", "false"], "--reshard-after-forward applies to the config's"),
     (["--efficiency", "1.5"], "--efficiency 1.5 must be a fraction"),
     (["--headroom", "1"], "--headroom 1.0 must be a fraction in [0, 1)"),
     (["--seq-len", "-3"], "--seq-len -3 must be at least 1"),

@@ -12,7 +12,7 @@ Library entry points (the ``meshyard plan`` command only parses arguments and ca
 
 from meshyard.plan.cost import StepEstimate, estimate_step
 from meshyard.plan.hardware import Cluster, make_cluster
-from meshyard.plan.layout import PRECISIONS, Layout, make_layout
+from meshyard.plan.layout import PRECISIONS, PlannedLayout, make_layout
 from meshyard.plan.memory import MemoryEstimate, estimate_memory
 from meshyard.plan.model import ModelDescription, describe_gpt
 from meshyard.plan.scale import ScaleResult, simulate_scale
@@ -20,7 +20,7 @@ from meshyard.plan.search import PlanRequest, PlanResult, plan
 from meshyard.plan.trace import describe_config, describe_module
 
 __all__ = [
-    "PRECISIONS", "Cluster", "Layout", "MemoryEstimate", "ModelDescription", "PlanRequest", "PlanResult",
+    "PRECISIONS", "Cluster", "PlannedLayout", "MemoryEstimate", "ModelDescription", "PlanRequest", "PlanResult",
     "ScaleResult", "StepEstimate", "describe_config", "describe_gpt", "describe_module", "estimate_memory",
     "estimate_step", "make_cluster", "make_layout", "plan", "simulate_scale",
 ]

@@ -11,7 +11,7 @@ from rich.console import Console
 from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.hardware import GPUS, INTER_NODE_LINKS, CatalogError
 from meshyard.plan.inputs import PlanInputError, PlanInputs, resolve_inputs
-from meshyard.plan.layout import STRATEGIES, TRAINABLE_PRECISIONS
+from meshyard.plan.layout import CONFIG_STRATEGIES, TRAINABLE_PRECISIONS
 from meshyard.plan.report import (
     render_catalog, render_cluster, render_memory, render_model, render_plan, render_scale, render_step,
 )
@@ -77,7 +77,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                     help="fraction of GPU memory kept free for context, NCCL and fragmentation (0.1)")
     hw.add_argument("--list-hardware", action="store_true", help="print the GPU and interconnect catalog and exit")
     search = p.add_argument_group("layouts to consider (comma-separated lists; default: all)")
-    search.add_argument("--strategy", help=f"data parallelism: {', '.join(STRATEGIES)}")
+    search.add_argument("--strategy", help=f"data parallelism, as a config names it ({', '.join(CONFIG_STRATEGIES)}; "
+                        "fsdp is ZeRO-3) or as the planner does (fsdp2 = ZeRO-2, fsdp3 = ZeRO-3, hsdp)")
+    search.add_argument("--reshard-after-forward", choices=("true", "false"),
+                        help="with --strategy fsdp, as parallel.reshard_after_forward: true (default) plans ZeRO-3 "
+                             "(fsdp3), false ZeRO-2 (fsdp2)")
     search.add_argument("--tp", help="tensor-parallel degrees, e.g. 1,2,4")
     search.add_argument("--pp", help="pipeline-parallel degrees, e.g. 1,2")
     search.add_argument("--micro-batch", help="micro-batch sizes (samples per rank per forward)")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from meshyard.hardware import link_spec
 from meshyard.plan.comm import MeshPlacement, collective_time, p2p_time, place_mesh
 from meshyard.plan.hardware import Cluster
-from meshyard.plan.layout import Layout
+from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.stage import stage_shapes
 from meshyard.plan.units import fmt_seconds
@@ -99,7 +99,7 @@ class _MicroBatch:
         return self.forward + self.backward + self.recompute + self.tp + self.p2p
 
 
-def _micro_batch(desc: ModelDescription, layout: Layout, cluster: Cluster, mesh: MeshPlacement) -> _MicroBatch:
+def _micro_batch(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement) -> _MicroBatch:
     """Per-micro-batch times on the busiest pipeline stage."""
     t, tp = layout.tokens_per_micro_batch, layout.tp
     rate = cluster.peak(layout.precision.peak_dtype) * cluster.compute_efficiency
@@ -125,7 +125,7 @@ def _micro_batch(desc: ModelDescription, layout: Layout, cluster: Cluster, mesh:
     return _MicroBatch(forward=forward, backward=2 * forward, recompute=recompute, tp=tp_time, p2p=p2p)
 
 
-def _pipeline_slots(layout: Layout) -> float:
+def _pipeline_slots(layout: PlannedLayout) -> float:
     m, p = layout.grad_accum, layout.pp
     if p == 1:
         return float(m)
@@ -133,7 +133,7 @@ def _pipeline_slots(layout: Layout) -> float:
     return m + (p - 1) / virtual
 
 
-def _dp_items(desc: ModelDescription, layout: Layout, cluster: Cluster, mesh: MeshPlacement,
+def _dp_items(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement,
               mb: _MicroBatch, overlap: float) -> list[TimeItem]:
     """Data-parallel communication: its total time, and what is left after overlap."""
     if layout.dp == 1:
@@ -146,7 +146,7 @@ def _dp_items(desc: ModelDescription, layout: Layout, cluster: Cluster, mesh: Me
     return _sharded_dp_items(layout, cluster, mesh, mb, overlap, psi, layers)
 
 
-def _replicated_dp_items(layout: Layout, cluster: Cluster, mesh: MeshPlacement, mb: _MicroBatch,
+def _replicated_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement, mb: _MicroBatch,
                          overlap: float, psi: int) -> list[TimeItem]:
     """DDP (and ZeRO-1): bucketed all-reduce overlapped with the last backward."""
     prec = layout.precision
@@ -168,7 +168,7 @@ def _replicated_dp_items(layout: Layout, cluster: Cluster, mesh: MeshPlacement, 
     return items
 
 
-def _sharded_dp_items(layout: Layout, cluster: Cluster, mesh: MeshPlacement, mb: _MicroBatch,
+def _sharded_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement, mb: _MicroBatch,
                       overlap: float, psi: int, layers: int) -> list[TimeItem]:
     """FSDP2/HSDP: per-block gathers overlapped with each pass, one reduce-scatter per step."""
     prec, m = layout.precision, layout.grad_accum
@@ -196,7 +196,7 @@ def _sharded_dp_items(layout: Layout, cluster: Cluster, mesh: MeshPlacement, mb:
                      "beyond the compute it overlaps, plus the first gather and last reduce-scatter")]
 
 
-def _optimizer_items(desc: ModelDescription, layout: Layout, cluster: Cluster) -> list[TimeItem]:
+def _optimizer_items(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster) -> list[TimeItem]:
     prec = layout.precision
     psi = max(s.params for s in stage_shapes(desc, layout))
     local = psi / (layout.shard_degree if layout.zero_stage >= 1 else 1)
@@ -217,7 +217,7 @@ def cluster_host_link(cluster: Cluster) -> float:
     return link_spec(cluster.gpu.host_link).bandwidth * cluster.link_efficiency
 
 
-def estimate_step(desc: ModelDescription, layout: Layout, cluster: Cluster,
+def estimate_step(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster,
                   overlap: float = DEFAULT_OVERLAP) -> StepEstimate:
     """Predicted step time of ``layout`` on ``cluster`` (see the module docstring)."""
     mesh = place_mesh(cluster, layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp)

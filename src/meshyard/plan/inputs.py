@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshyard.config.sections import ModelConfig
+from meshyard.config.sections import ModelConfig, ParallelConfig
 from meshyard.models.gpt import GPT_PRESETS
 from meshyard.plan.hardware import Cluster, make_cluster
-from meshyard.plan.layout import AC_MODES, PRECISIONS, STRATEGIES
+from meshyard.plan.layout import AC_MODES, CONFIG_STRATEGIES, PRECISIONS, STRATEGIES, planner_strategy
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.search import PlanRequest
 from meshyard.plan.trace import TraceError, describe_config
@@ -172,6 +172,20 @@ def _check_gpus(n: int, gpus_per_node: int, option: str) -> None:
                              f"{gpus_per_node} or set --gpus-per-node")
 
 
+def strategies_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--strategy in the planner's names. The config's names are taken as a config means
+    them (``planner_strategy``): 'fsdp' is fsdp3, or fsdp2 with --reshard-after-forward
+    false; the planner's own names (fsdp2, fsdp3, hsdp) are taken as they are."""
+    known = tuple(dict.fromkeys(CONFIG_STRATEGIES + STRATEGIES))
+    names = _choice_list(args.strategy, "--strategy", known)
+    reshard = getattr(args, "reshard_after_forward", None)
+    _need(reshard is None or "fsdp" in names,
+          "--reshard-after-forward applies to the config's 'fsdp' only: give --strategy fsdp")
+    parallel = ParallelConfig(strategy="fsdp", reshard_after_forward=reshard != "false")
+    planned = (planner_strategy(parallel) if name == "fsdp" else name for name in names)
+    return tuple(dict.fromkeys(planned))
+
+
 def _scale_layout(args: argparse.Namespace, strategies: tuple[str, ...], tp: tuple[int, ...],
                   pp: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], int]:
     """--scale's single layout (fsdp3, tp 1, pp 1 unless given) and per-rank batch
@@ -216,7 +230,7 @@ def resolve_inputs(args: argparse.Namespace) -> PlanInputs:
     for n in scale_sizes or [args.gpus]:
         _check_gpus(n, args.gpus_per_node, "--scale size" if scale_sizes else "--gpus")
     cluster = cluster_from_args(args, scale_sizes[0] if scale_sizes else args.gpus)
-    strategies = _choice_list(args.strategy, "--strategy", STRATEGIES)
+    strategies = strategies_from_args(args)
     tp, pp = _int_list(args.tp, "--tp"), _int_list(args.pp, "--pp")
     per_rank = 0
     if scale_sizes:

@@ -1,15 +1,18 @@
 """A candidate layout: how a job is spread over devices, and the bytes of each number.
 
-A ``Layout`` is what the planner varies: data-parallel degrees (replicated and
+A ``PlannedLayout`` is what the planner varies: data-parallel degrees (replicated and
 sharded), the ZeRO stage, tensor and pipeline degrees, micro-batch and accumulation,
-activation checkpointing and CPU offload. ``Precision`` names the bytes per parameter
+activation checkpointing and CPU offload. ``PlanPrecision`` names the bytes per parameter
 of each model state, from which the ZeRO arithmetic follows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from meshyard.config.sections import ParallelConfig
 
 AcMode = Literal["none", "selective", "full"]
 AC_MODES = ("none", "selective", "full")
@@ -20,10 +23,30 @@ STRATEGIES = ("none", "ddp", "zero1", "fsdp2", "fsdp3", "hsdp")
 """Data-parallel strategies: DDP (ZeRO-0), DDP with a sharded optimizer (ZeRO-1),
 FSDP2 keeping gathered parameters until backward (ZeRO-2) or resharding after forward
 (ZeRO-3), and HSDP (ZeRO-3 inside dp_shard, replicated across dp_replicate)."""
+CONFIG_STRATEGIES = ("none", "ddp", "zero1", "fsdp")
+"""The config's names (``parallel.strategy``), which ``meshyard plan --strategy`` also takes:
+its 'fsdp' is fsdp3, or fsdp2 with ``reshard_after_forward`` false, or hsdp with
+``dp_replicate`` > 1 (``planner_strategy``)."""
+
+
+def planner_strategy(parallel: ParallelConfig, dp_replicate: int = 0) -> str:
+    """The planner's strategy for a config's ``[parallel]`` section: the one translation
+    from the config's terms to the planner's.
+
+    ``dp_replicate`` is the resolved replicated degree (``ParallelDims.dp_replicate``);
+    0 takes the section's own (where 0, derived, means no replication for 'fsdp').
+    Tensor and pipeline parallelism are degrees, not strategies: 'none' stays 'none'.
+    """
+    replicas = dp_replicate or parallel.dp_replicate or 1
+    if parallel.strategy != "fsdp":
+        return parallel.strategy
+    if replicas > 1:
+        return "hsdp"
+    return "fsdp3" if parallel.reshard_after_forward else "fsdp2"
 
 
 @dataclass(frozen=True)
-class Precision:
+class PlanPrecision:
     """Bytes per parameter of each model state, and of activations.
 
     ``param`` is the stored parameter the optimizer updates in place, unless ``master``
@@ -49,16 +72,16 @@ class Precision:
         return self.master + n_states * self.state
 
 
-PRECISIONS: dict[str, Precision] = {
+PRECISIONS: dict[str, PlanPrecision] = {
     # Everything in fp32: 4 + 4 + 8 = 16 bytes/param with Adam. meshyard's CPU default.
-    "fp32": Precision("fp32", param=4, grad=4, master=0, state=4, compute=4, activation=4, peak_dtype="fp32"),
+    "fp32": PlanPrecision("fp32", param=4, grad=4, master=0, state=4, compute=4, activation=4, peak_dtype="fp32"),
     # meshyard on GPUs: fp32 parameters cast to bf16 for compute (FSDP2
     # MixedPrecisionPolicy or autocast), gradients reduced in fp32: 16 bytes/param.
-    "bf16": Precision("bf16", param=4, grad=4, master=0, state=4, compute=2, activation=2, peak_dtype="bf16"),
-    "fp16": Precision("fp16", param=4, grad=4, master=0, state=4, compute=2, activation=2, peak_dtype="fp16"),
+    "bf16": PlanPrecision("bf16", param=4, grad=4, master=0, state=4, compute=2, activation=2, peak_dtype="bf16"),
+    "fp16": PlanPrecision("fp16", param=4, grad=4, master=0, state=4, compute=2, activation=2, peak_dtype="fp16"),
     # Megatron/DeepSpeed mixed precision: bf16 params and grads, fp32 master + moments in
     # the optimizer: 2 + 2 + 12 = 16 bytes/param, the ZeRO paper's accounting (K = 12).
-    "bf16-master": Precision(
+    "bf16-master": PlanPrecision(
         "bf16-master", param=2, grad=2, master=4, state=4, compute=2, activation=2, peak_dtype="bf16"
     ),
 }
@@ -73,7 +96,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
 
 
 @dataclass(frozen=True)
-class Layout:
+class PlannedLayout:
     """One way to run a job: degrees, batch shape, numerics and memory savers."""
 
     strategy: str = "ddp"
@@ -84,7 +107,7 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1
     seq_len: int = 1024
-    precision: Precision = PRECISIONS["bf16"]
+    precision: PlanPrecision = PRECISIONS["bf16"]
     optimizer: str = "adamw"
     ac: AcMode = "none"
     offload: bool = False
@@ -143,12 +166,13 @@ class Layout:
             dp = f"dp={self.dp}"
         return f"{self.strategy} {dp} tp={self.tp} pp={self.pp}"
 
-    def with_(self, **changes: object) -> "Layout":
+    def with_(self, **changes: object) -> "PlannedLayout":
         """A copy with some fields changed."""
         return replace(self, **changes)
 
 
-def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard: int = 0, **kwargs: object) -> Layout:
+def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard: int = 0,
+                **kwargs: object) -> PlannedLayout:
     """Build a layout from a strategy and a world size, deriving the data-parallel degrees.
 
     ``shard`` is the dp_shard degree for ``hsdp`` (the rest is replicated); other
@@ -163,13 +187,13 @@ def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard:
     if strategy == "none":
         if dp != 1:
             raise ValueError(f"strategy 'none' needs tp x pp = {world_size}, not {tp * pp}")
-        return Layout(strategy=strategy, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
+        return PlannedLayout(strategy=strategy, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
     if strategy in ("ddp", "zero1"):
-        return Layout(strategy=strategy, dp_replicate=dp, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
+        return PlannedLayout(strategy=strategy, dp_replicate=dp, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
     if strategy == "hsdp":
         shard = shard or dp
         if dp % shard:
             raise ValueError(f"hsdp shard degree {shard} does not divide the data-parallel degree {dp}")
-        return Layout(strategy=strategy, dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp,
+        return PlannedLayout(strategy=strategy, dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp,
                       **kwargs)  # type: ignore[arg-type]
-    return Layout(strategy=strategy, dp_shard=dp, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]
+    return PlannedLayout(strategy=strategy, dp_shard=dp, tp=tp, pp=pp, **kwargs)  # type: ignore[arg-type]

@@ -33,15 +33,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
-from meshyard.plan.layout import PRECISIONS, Layout, make_layout
+from meshyard.plan.layout import PRECISIONS, PlannedLayout, make_layout, planner_strategy
 
 if TYPE_CHECKING:
     from meshyard.config.sections import ParallelConfig
-
-_STRATEGY_TO_LAYOUT = {
-    "none": "none", "ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp3", "fsdp-zero2": "fsdp2", "tp": "none",
-}
-
 
 @dataclass(frozen=True)
 class MemoryProbe:
@@ -62,11 +57,11 @@ class MemoryProbe:
     def shape(self) -> GPTShape:
         return GPTShape(vocab_size=self.vocab_size, context_length=self.seq_len, **GPT_PRESETS[self.preset])
 
-    def layout(self) -> Layout:
+    def layout(self) -> PlannedLayout:
         """The layout the estimator should be given for this probe (fp32, CPU AdamW)."""
         tp = self.world_size if self.strategy == "tp" else 1
         # meshyard's TP splits embedding and head by vocabulary; the probe splits no sequence.
-        return make_layout(_STRATEGY_TO_LAYOUT[self.strategy], self.world_size, tp=tp,
+        return make_layout(planner_strategy(_parallel_config(self)), self.world_size, tp=tp,
                            micro_batch=self.micro_batch, seq_len=self.seq_len, precision=PRECISIONS["fp32"],
                            ac="full" if self.checkpoint else "none", sequence_parallel=False,
                            vocab_parallel=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshyard.plan.layout import Layout
+from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.stage import StageShape, stage_shapes
 from meshyard.plan.units import fmt_bytes, fmt_count
@@ -65,7 +65,7 @@ class MemoryEstimate:
         return sum(i.bytes for i in self.states)
 
 
-def model_state_items(shape: StageShape, layout: Layout) -> list[MemoryItem]:
+def model_state_items(shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
     """Parameters, gradients and optimizer states of one device, per the ZeRO stage."""
     prec, psi, n, stage = layout.precision, shape.params, layout.shard_degree, layout.zero_stage
     k = prec.optimizer_bytes(layout.n_optimizer_states)
@@ -90,7 +90,7 @@ def _item(name: str, value: float, formula: str, where: str | None = None) -> Me
     return MemoryItem(name, value, formula)
 
 
-def activation_bytes_per_layer(desc: ModelDescription, layout: Layout) -> float:
+def activation_bytes_per_layer(desc: ModelDescription, layout: PlannedLayout) -> float:
     """Bytes one block saves for backward for one micro-batch, without checkpointing."""
     prof, tp, t = desc.activations, layout.tp, layout.tokens_per_micro_batch
     if tp > 1 and layout.sequence_parallel:
@@ -104,13 +104,13 @@ def activation_bytes_per_layer(desc: ModelDescription, layout: Layout) -> float:
     return per_token * t
 
 
-def _checkpointed_layer_bytes(desc: ModelDescription, layout: Layout) -> float:
+def _checkpointed_layer_bytes(desc: ModelDescription, layout: PlannedLayout) -> float:
     """What a checkpointed block keeps: its input (split along the sequence under SP)."""
     split = layout.tp if layout.tp > 1 and layout.sequence_parallel else 1
     return layout.tokens_per_micro_batch * desc.d_model * layout.precision.activation / split
 
 
-def activation_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+def activation_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
     """Saved activations of the stage's blocks for every micro-batch it holds in flight."""
     full = activation_bytes_per_layer(desc, layout)
     layers, flight = shape.layers, shape.in_flight
@@ -127,7 +127,7 @@ def activation_items(desc: ModelDescription, shape: StageShape, layout: Layout) 
                        f"{full / t:.0f} B/token at t={t}")]
 
 
-def block_backward_item(desc: ModelDescription, layout: Layout) -> MemoryItem:
+def block_backward_item(desc: ModelDescription, layout: PlannedLayout) -> MemoryItem:
     """The first block's backward, the last to run: its activations (rebuilt when
     checkpointed) plus the gradients flowing through it, the MLP hidden's (r units,
     split by TP) and the residual stream's (1 unit)."""
@@ -144,7 +144,7 @@ def _fmt_flight(flight: float) -> str:
     return f"{flight:g}" if flight == int(flight) else f"{flight:.2f}"
 
 
-def io_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+def io_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
     """Inputs, targets and the loss: token ids, the final norm, log-softmax and its gradients.
 
     The loss is computed in fp32 (``logits.float()``); at the start of backward the saved
@@ -164,7 +164,7 @@ def io_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[
     return items
 
 
-def gathered_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+def gathered_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
     """Full-size parameter copies that exist during forward and backward.
 
     FSDP2 ZeRO-3 keeps the root (embeddings, head) gathered from forward to backward and
@@ -188,7 +188,7 @@ def gathered_items(desc: ModelDescription, shape: StageShape, layout: Layout) ->
     return []
 
 
-def buffer_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> list[MemoryItem]:
+def buffer_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
     """Communication buffers in flight: FSDP2 reduce-scatter, TP and PP transfers."""
     items, prec = [], layout.precision
     act = layout.tokens_per_micro_batch * desc.d_model * prec.activation
@@ -208,7 +208,7 @@ def buffer_items(desc: ModelDescription, shape: StageShape, layout: Layout) -> l
     return items
 
 
-def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: Layout, foreach: bool) -> float:
+def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: PlannedLayout, foreach: bool) -> float:
     """Scratch memory of the optimizer step.
 
     torch's foreach AdamW (the GPU default) builds one fp32 temporary per parameter it
@@ -224,7 +224,7 @@ def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: Layo
 
 
 def estimate_memory(
-    desc: ModelDescription, layout: Layout, foreach: bool = True, stage: int | None = None
+    desc: ModelDescription, layout: PlannedLayout, foreach: bool = True, stage: int | None = None
 ) -> MemoryEstimate:
     """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``."""
     shapes = stage_shapes(desc, layout)
@@ -234,7 +234,7 @@ def estimate_memory(
     return max(estimates, key=lambda e: e.peak_bytes)
 
 
-def _gradients_during_forward(shape: StageShape, layout: Layout,
+def _gradients_during_forward(shape: StageShape, layout: PlannedLayout,
                               gradients: MemoryItem) -> tuple[list[MemoryItem], list[MemoryItem]]:
     """(stored gradients, accumulation buffers) that exist while forward runs.
 
@@ -255,7 +255,7 @@ def _total(items: list[MemoryItem]) -> float:
     return sum(i.bytes for i in items)
 
 
-def _estimate_stage(desc: ModelDescription, layout: Layout, shape: StageShape, foreach: bool) -> MemoryEstimate:
+def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageShape, foreach: bool) -> MemoryEstimate:
     states = model_state_items(shape, layout)
     params, grads, optim = states
     grads_fwd, accum = _gradients_during_forward(shape, layout, grads)

@@ -8,7 +8,7 @@ from rich.table import Table
 from meshyard.hardware import GPUS, LINKS
 from meshyard.plan.cost import StepEstimate
 from meshyard.plan.hardware import Cluster
-from meshyard.plan.layout import Layout
+from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.memory import MemoryEstimate
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.scale import ScaleResult
@@ -37,7 +37,7 @@ def render_cluster(console: Console, cluster: Cluster, dtype: str) -> None:
     )
 
 
-def _layout_cells(layout: Layout) -> list[str]:
+def _layout_cells(layout: PlannedLayout) -> list[str]:
     accum = f"{layout.micro_batch} x {layout.grad_accum}"
     saver = layout.ac + (" +offload" if layout.offload else "")
     return [layout.describe(), accum, saver]
@@ -128,7 +128,7 @@ def render_scale(console: Console, result: ScaleResult) -> None:
     console.print(table)
 
 
-def _saver(layout: Layout) -> str:
+def _saver(layout: PlannedLayout) -> str:
     parts = [] if layout.ac == "none" else [f"ac={layout.ac}"]
     parts += ["offload"] if layout.offload else []
     return f" ({', '.join(parts)})" if parts else ""

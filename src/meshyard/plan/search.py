@@ -15,7 +15,7 @@ from typing import Iterable
 
 from meshyard.plan.cost import DEFAULT_OVERLAP, StepEstimate, estimate_step
 from meshyard.plan.hardware import Cluster
-from meshyard.plan.layout import AC_MODES, STRATEGIES, Layout, Precision, make_layout
+from meshyard.plan.layout import AC_MODES, STRATEGIES, PlannedLayout, PlanPrecision, make_layout
 from meshyard.plan.memory import MemoryEstimate, estimate_memory, usable_bytes
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.units import fmt_bytes
@@ -27,7 +27,7 @@ class PlanRequest:
 
     global_batch: int
     seq_len: int
-    precision: Precision
+    precision: PlanPrecision
     optimizer: str = "adamw"
     strategies: tuple[str, ...] = STRATEGIES
     tp: tuple[int, ...] = ()
@@ -51,7 +51,7 @@ class PlanRequest:
 class Candidate:
     """A layout that fits, with its memory and time estimates."""
 
-    layout: Layout
+    layout: PlannedLayout
     memory: MemoryEstimate
     step: StepEstimate
 
@@ -128,7 +128,7 @@ def _variants(request: PlanRequest, per_rank: int, strategy: str) -> Iterable[tu
                     yield ac, offload, mb
 
 
-def _saving_key(memory: MemoryEstimate, layout: Layout) -> tuple[float, int, int, bool]:
+def _saving_key(memory: MemoryEstimate, layout: PlannedLayout) -> tuple[float, int, int, bool]:
     """Order of failed attempts: least memory, then the strongest savers (smallest
     micro-batch, most recomputation, offload), so the message names what was tried."""
     return (round(memory.peak_bytes), layout.micro_batch, -AC_MODES.index(layout.ac), not layout.offload)
@@ -178,7 +178,7 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
     dp = cluster.n_gpus // (tp * pp)
     per_rank = request.global_batch // dp
     best: Candidate | None = None
-    closest: tuple[MemoryEstimate, Layout] | None = None
+    closest: tuple[MemoryEstimate, PlannedLayout] | None = None
     for ac, offload, mb in _variants(request, per_rank, strategy):
         layout = make_layout(
             strategy, cluster.n_gpus, tp=tp, pp=pp, shard=_hsdp_shard(cluster, tp),
@@ -204,7 +204,7 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
                                                 f"{per_rank} samples each rank gets"))
 
 
-def _out_of_memory(label: str, memory: MemoryEstimate, layout: Layout, usable: float) -> Rejection:
+def _out_of_memory(label: str, memory: MemoryEstimate, layout: PlannedLayout, usable: float) -> Rejection:
     """The rejection of a family, quoting its smallest attempt and what fills it."""
     top = sorted(memory.items, key=lambda i: -i.bytes)[:2]
     parts = ", ".join(f"{i.name} {fmt_bytes(i.bytes)}" for i in top)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshyard.plan.layout import Layout
+from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.model import ModelDescription
 
 
@@ -42,7 +42,7 @@ def tp_block_params(desc: ModelDescription, tp: int) -> int:
     return math.ceil(desc.matmul_params_per_layer / tp) + other
 
 
-def _root_params(desc: ModelDescription, layout: Layout, first: bool, last: bool) -> int:
+def _root_params(desc: ModelDescription, layout: PlannedLayout, first: bool, last: bool) -> int:
     """Parameters outside the blocks on a stage: the embeddings on the first, the final
     norm and output head on the last, the vocabulary table split when vocab-parallel."""
     tp = layout.tp if layout.vocab_parallel else 1
@@ -60,7 +60,7 @@ def _root_params(desc: ModelDescription, layout: Layout, first: bool, last: bool
     return params
 
 
-def in_flight_micro_batches(layout: Layout, stage: int) -> float:
+def in_flight_micro_batches(layout: PlannedLayout, stage: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at its peak.
 
     GPipe runs every forward before any backward (all ``m``); 1F1B lets stage ``s`` of
@@ -79,7 +79,7 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
     return depth
 
 
-def stage_shapes(desc: ModelDescription, layout: Layout) -> list[StageShape]:
+def stage_shapes(desc: ModelDescription, layout: PlannedLayout) -> list[StageShape]:
     """The first and last pipeline stages (the memory extremes; identical when pp = 1).
 
     Layers are split as evenly as possible; the first stage takes the remainder, so it

@@ -1,6 +1,6 @@
 """``meshyard k8s manifest`` and ``meshyard k8s serve-manifest``: parsing and YAML printing;
-the manifests themselves come from ``meshyard.launch.kubernetes`` (training) and
-``meshyard.launch.serve_manifest`` (serving)."""
+the manifests themselves come from ``meshyard.jobs.kubernetes`` (training) and
+``meshyard.jobs.serve_manifest`` (serving)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from meshyard.config.load import ConfigError, collect_config
 from meshyard.extras import require
-from meshyard.launch.kubernetes import KINDS, ManifestRequest, manifests
-from meshyard.launch.serve_manifest import IN_FLIGHT_METRIC, ServeRequest, serve_manifests
+from meshyard.jobs.kubernetes import KINDS, ManifestRequest, manifests
+from meshyard.jobs.serve_manifest import IN_FLIGHT_METRIC, ServeRequest, serve_manifests
 from meshyard.run_dir import RunDir
 
 DESCRIPTION = """\

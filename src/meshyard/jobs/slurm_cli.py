@@ -1,5 +1,5 @@
 """``meshyard slurm script|submit``: parsing and the call to ``sbatch``; the script's text
-comes from ``meshyard.launch.slurm``."""
+comes from ``meshyard.jobs.slurm``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import time
 
 from meshyard.config.load import ConfigError, collect_config
-from meshyard.config.sections import Config
-from meshyard.launch.slurm import SlurmOptions, sbatch_script, slurm_dir, slurm_problems
+from meshyard.config.sections import RunConfig
+from meshyard.jobs.slurm import SlurmOptions, sbatch_script, slurm_dir, slurm_problems
 from meshyard.validate import validate
 
 DESCRIPTION = """\
@@ -68,25 +68,25 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     # The whole config is checked here, for the job's world size, so that a mistake is
     # refused at once instead of after the job waited in the queue.
     per_node = options.gpus_per_node or config.run.nproc or 2  # 2: meshyard's default on the CPU
-    validate(config, max(options.nodes, 1) * per_node, [*problems, *slurm_problems(config, options)])
+    validate(config, max(options.nodes, 1) * per_node, [*problems, *slurm_problems(config.run, config.fault, options)])
     text = sbatch_script(config, options)
     if args.slurm_command == "script":
         print(text, end="")
         return 0
-    return submit(config, text)
+    return submit(config.run, text)
 
 
 SBATCH_TIMEOUT_S = 60
 
 
-def submit(config: Config, text: str) -> int:
+def submit(run: RunConfig, text: str) -> int:
     """Write ``text`` into ``<run.dir>/slurm`` and submit it; prints the job id."""
     if shutil.which("sbatch") is None:
         raise ConfigError(["sbatch is not on PATH: run 'meshyard slurm submit' on a Slurm login node, or print "
                            "the script with 'meshyard slurm script' and submit it there"], "slurm")
-    folder = slurm_dir(config)
+    folder = slurm_dir(run)
     # The job id is unknown until sbatch answers, so the script is named by the time.
-    path = folder / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path = folder / f"{run.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     try:
         folder.mkdir(parents=True, exist_ok=True)  # Slurm opens the job's output file there
         path.write_text(text)
@@ -105,7 +105,7 @@ def submit(config: Config, text: str) -> int:
         return 1
     job_id = done.stdout.strip().split(";")[0]
     print(f"meshyard: wrote {path}", file=sys.stderr)
-    print(f"meshyard: submitted job {job_id}; output in {folder}/{config.run.name}-{job_id}.out, run directory "
-          f"{folder.parent}/{config.run.name}-slurm{job_id}", file=sys.stderr)
+    print(f"meshyard: submitted job {job_id}; output in {folder}/{run.name}-{job_id}.out, run directory "
+          f"{folder.parent}/{run.name}-slurm{job_id}", file=sys.stderr)
     print(job_id, flush=True)
     return 0

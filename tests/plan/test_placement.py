@@ -9,14 +9,14 @@ from itertools import combinations
 import pytest
 
 from meshyard.cli import main
-from meshyard.launch.inventory import DEFAULT_LINK_PER_GPU, InventoryError, load_inventory, parse_inventory, parse_rate
-from meshyard.launch.place_cli import estimate_comm, plan_inputs
-from meshyard.launch.placement import (
+from meshyard.plan.inventory import DEFAULT_LINK_PER_GPU, InventoryError, load_inventory, parse_inventory, parse_rate
+from meshyard.plan.place_cost import estimate_comm, plan_inputs
+from meshyard.plan.placement import (
     PlacementError, fewest_nodes, group_spans, hostfile, node_affinity, nodelist, place, round_robin,
 )
 from meshyard.plan.cost import estimate_step
 from meshyard.plan.hardware import make_cluster
-from meshyard.plan.layout import PRECISIONS, Layout
+from meshyard.plan.layout import PRECISIONS, PlannedLayout
 from meshyard.models.gpt import GPT_PRESETS, GPTShape
 from meshyard.plan.model import describe_gpt
 
@@ -139,7 +139,7 @@ def _gpt_small() -> tuple:
 def test_one_node_costs_what_the_planner_says_for_one_node():
     inv = inventory([("n1", 8, ("s1", "l1"))], bandwidth=BANDWIDTH)
     desc = _gpt_small()
-    layout = Layout(strategy="ddp", dp_replicate=4, tp=2, seq_len=1024, micro_batch=4)
+    layout = PlannedLayout(strategy="ddp", dp_replicate=4, tp=2, seq_len=1024, micro_batch=4)
     comm = estimate_comm(inv, place(inv, 8, tp=2), desc, layout)
     step = estimate_step(desc, layout, make_cluster("h100", n_gpus=8, gpus_per_node=8))
     assert comm.seconds["tp"] == pytest.approx(step.seconds("tp comm"))
@@ -153,9 +153,9 @@ def test_uniform_nodes_cost_what_the_planner_says_for_that_cluster():
     inv = inventory([("n1", 8, ("s1", "l1")), ("n2", 8, ("s1", "l1"))], bandwidth=BANDWIDTH)
     desc = _gpt_small()
     cluster = make_cluster("h100", n_gpus=16, gpus_per_node=8, inter_bandwidth=8 * LEAF_BW)
-    for layout in (Layout(strategy="none", tp=8, pp=2, micro_batch=2, grad_accum=4, seq_len=1024),
-                   Layout(strategy="fsdp3", dp_shard=8, tp=2, seq_len=1024, micro_batch=2),
-                   Layout(strategy="hsdp", dp_replicate=2, dp_shard=8, seq_len=1024, micro_batch=2)):
+    for layout in (PlannedLayout(strategy="none", tp=8, pp=2, micro_batch=2, grad_accum=4, seq_len=1024),
+                   PlannedLayout(strategy="fsdp3", dp_shard=8, tp=2, seq_len=1024, micro_batch=2),
+                   PlannedLayout(strategy="hsdp", dp_replicate=2, dp_shard=8, seq_len=1024, micro_batch=2)):
         comm = estimate_comm(inv, place(inv, 16, tp=layout.tp), desc, layout)
         step = estimate_step(desc, layout, cluster)
         assert comm.seconds["tp"] == pytest.approx(step.seconds("tp comm")), layout.describe()
@@ -170,7 +170,7 @@ def test_placement_beats_round_robin_with_the_cost_models_numbers():
     inv = inventory([("n1", 8, ("s1", "l1")), ("n2", 8, ("s1", "l1")), ("n3", 8, ("s2", "l9"))],
                     bandwidth=BANDWIDTH)
     desc = _gpt_small()
-    layout = Layout(strategy="ddp", dp_replicate=8, tp=2, seq_len=1024, micro_batch=4,
+    layout = PlannedLayout(strategy="ddp", dp_replicate=8, tp=2, seq_len=1024, micro_batch=4,
                     precision=PRECISIONS["bf16"])
     placed, naive = place(inv, 16, tp=2), round_robin(inv, 16)
     assert taken(placed) == [("n1", 8), ("n2", 8)]

@@ -2,7 +2,7 @@
 Kubeflow PyTorchJob (training operator, ``kubeflow.org/v1``) or TrainJob (Kubeflow
 Trainer, ``trainer.kubeflow.org/v1alpha1``) whose pods run ``meshyard run`` on it.
 
-Pure building: plain dicts that ``meshyard.launch.k8s_cli`` prints as YAML for
+Pure building: plain dicts that ``meshyard.jobs.k8s_cli`` prints as YAML for
 ``kubectl apply``; nothing here talks to a cluster.
 
 How a pod runs. Each pod is a node of the job: it runs one ``meshyard run`` agent, which
@@ -33,7 +33,7 @@ import fsspec
 from meshyard.config.checks import node_range
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, did_you_mean
-from meshyard.config.sections import Config
+from meshyard.config.sections import CheckpointConfig, Config, RunConfig
 from meshyard.run_dir import RunDir
 from meshyard.runtime.devices import CPU_DEFAULT_NPROC
 from meshyard.validate import derive_layout, validate
@@ -120,14 +120,14 @@ def manifests(config: Config, request: ManifestRequest, earlier_problems: list[s
 
 def plan_job(config: Config, request: ManifestRequest, earlier_problems: list[str]) -> PodJob:
     """Check ``request`` and ``config`` together; the job to write, or ``ConfigError``."""
-    problems = [*earlier_problems, *request_problems(config, request)]
+    problems = [*earlier_problems, *request_problems(config.run, request)]
     bounds = node_range(request.nodes)
     if bounds is None or request.gpus_per_node < 0:
         raise ConfigError(problems, "Kubernetes job")  # no world size to check the layout at
     low, high = bounds
     name = request.name or default_name(config.run.name)
     nproc = request.gpus_per_node or config.run.nproc or CPU_DEFAULT_NPROC
-    volume_path, storage_problems = storage_plan(config, request, high)
+    volume_path, storage_problems = storage_plan(config.checkpoint, config.run, request, high)
     problems += storage_problems
     nnodes = f"{low}" if low == high else f"{low}:{high}"
     run = dataclasses.replace(config.run, nnodes=nnodes, nproc=nproc, rdzv_id=name, rdzv_endpoint="", node_rank=-1)
@@ -167,10 +167,10 @@ def default_name(run_name: str) -> str:
     return name or "meshyard"
 
 
-def request_problems(config: Config, request: ManifestRequest) -> list[str]:
-    """What makes ``request`` unusable for ``config``, each with its fix (the storage
-    aside: ``storage_plan``); empty when fine."""
-    gpus, device = request.gpus_per_node, config.run.device
+def request_problems(run: RunConfig, request: ManifestRequest) -> list[str]:
+    """What makes ``request`` unusable for a config's ``[run]``, each with its fix (the
+    storage aside: ``storage_plan``); empty when fine."""
+    gpus, device = request.gpus_per_node, run.device
     bounds = node_range(request.nodes)
     checks = [
         (bool(request.image.strip()) and not re.search(r"\s", request.image),
@@ -190,8 +190,8 @@ def request_problems(config: Config, request: ManifestRequest) -> list[str]:
          "--gpus-per-node, or set --run.device=auto or cuda"),
         (not (gpus == 0 and device == "cuda"),
          "the config runs on CUDA (run.device = 'cuda') but no GPUs are asked for: add --gpus-per-node G"),
-        (gpus <= 0 or config.run.nproc in (0, gpus),
-         f"run.nproc = {config.run.nproc} but --gpus-per-node {gpus}: each pod starts one worker per GPU; "
+        (gpus <= 0 or run.nproc in (0, gpus),
+         f"run.nproc = {run.nproc} but --gpus-per-node {gpus}: each pod starts one worker per GPU; "
          f"leave run.nproc at 0 or set it to {gpus}"),
     ]
     return [message for ok, message in checks if not ok] + _name_problems(request) + _placement_problems(request)
@@ -238,14 +238,14 @@ def name_problems(rules: list[tuple[str, str, re.Pattern[str], int, str]]) -> li
             if value and (len(value) > limit or not pattern.match(value))]
 
 
-def storage_plan(config: Config, request: ManifestRequest, max_nodes: int) -> tuple[str, list[str]]:
+def storage_plan(ckpt: CheckpointConfig, run: RunConfig, request: ManifestRequest,
+                 max_nodes: int) -> tuple[str, list[str]]:
     """Where the checkpoint volume is mounted ("" for none), and the problems of the storage asked for.
 
     A volume goes where the checkpoints go: ``checkpoint.dir``, or the run directory that
     holds them while ``checkpoint.dir`` is empty (``run.run_dir``, else ``run.dir``, under
     which the job's run directory is made), so a restarted pod finds them there.
     """
-    ckpt = config.checkpoint
     protocol, path = fsspec.core.split_protocol(ckpt.dir)
     local = protocol in (None, "file", "local")
     if request.checkpoint_pvc:
@@ -254,7 +254,7 @@ def storage_plan(config: Config, request: ManifestRequest, max_nodes: int) -> tu
                         f"'{ckpt.dir}' is object storage: drop --checkpoint-pvc (--storage-secret gives the pods "
                         "its credentials), or set checkpoint.dir to a path on the volume"]
         key, target = ("checkpoint.dir", path) if ckpt.dir else (
-            ("run.run_dir", config.run.run_dir) if config.run.run_dir else ("run.dir", config.run.dir))
+            ("run.run_dir", run.run_dir) if run.run_dir else ("run.dir", run.dir))
         if not posixpath.isabs(target):
             return "", [f"--checkpoint-pvc {request.checkpoint_pvc}: {key} = '{target}' is not an absolute path, "
                         "and the volume is mounted where the checkpoints go; set one, e.g. "

@@ -20,7 +20,7 @@ import pytest
 from meshyard.cli import main
 from meshyard.config.load import ConfigError, load_config
 from meshyard.data.sampling import GlobalBatchSampler
-from meshyard.launch.slurm import SlurmOptions, sbatch_script
+from meshyard.jobs.slurm import SlurmOptions, sbatch_script
 from meshyard.metrics.records import read_metrics
 from tests.checkpoint.recording_dataset import seen_indices
 
@@ -174,7 +174,7 @@ def jobs(slurm_localhost, tmp_path_factory) -> dict[str, Submitted]:
     while the other saves and waits out the pause Slurm puts before a requeued job starts
     again (the credential lifetime), instead of after it."""
     requeued = tmp_path_factory.mktemp("requeued")
-    requeued_id, requeued_run = _submit(requeued, "--data.source=tests/launch/slurm_requeue_dataset.py:build",
+    requeued_id, requeued_run = _submit(requeued, "--data.source=tests/jobs/slurm_requeue_dataset.py:build",
                                         f"--train.steps={REQUEUED_STEPS}", "--fault.max_requeues=1",
                                         "--checkpoint.interval=0")
     _wait(requeued_id, lambda job: job["JobState"] == "RUNNING" and (requeued_run / "metrics.jsonl").exists()

@@ -25,8 +25,8 @@ from meshyard.cli import main
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import load_config
 from meshyard.config.sections import ServeConfig
-from meshyard.launch.k8s_cli import to_yaml
-from meshyard.launch.serve_manifest import (IN_FLIGHT_METRIC, MODEL_MOUNT, SCALE_DOWN_WINDOW_S,
+from meshyard.jobs.k8s_cli import to_yaml
+from meshyard.jobs.serve_manifest import (IN_FLIGHT_METRIC, MODEL_MOUNT, SCALE_DOWN_WINDOW_S,
                                             CheckpointSize, ServeRequest, build, checkpoint_size, memory_for, plan,
                                             quantity, serve_manifests)
 from tests.conftest import tiny_config
@@ -56,7 +56,7 @@ def golden_documents(name: str) -> list[dict[str, Any]]:
     overrides, request, size = GOLDEN[name]
     config = load_config(None, overrides)
     serve = load_config(None, request.serve_overrides).serve
-    return build(plan(config, serve, request, size), request)
+    return build(plan(config.run, serve, request, size), request)
 
 
 def kubernetes_errors(document: dict[str, Any]) -> list[str]:
@@ -114,7 +114,7 @@ REQUESTS = [
 @pytest.mark.parametrize("overrides, request_", REQUESTS)
 def test_every_document_validates_against_the_kubernetes_schemas(overrides, request_):
     config, serve = load_config(None, overrides), load_config(None, request_.serve_overrides).serve
-    documents = build(plan(config, serve, request_, CheckpointSize(GiB, 3 * GiB)), request_)
+    documents = build(plan(config.run, serve, request_, CheckpointSize(GiB, 3 * GiB)), request_)
     assert [d["kind"] for d in documents] == ["Deployment", "Service", "HorizontalPodAutoscaler"]
     for document in documents:
         assert kubernetes_errors(document) == []
@@ -225,7 +225,7 @@ def test_the_model_volume_is_mounted_read_only_where_the_command_looks():
 def test_the_server_settings_given_are_the_pods_own():
     def command(request: ServeRequest) -> list[str]:
         serve = load_config(None, request.serve_overrides).serve
-        return plan(load_config(None, ["--run.name=a"]), serve, request, CheckpointSize(0, 0)).command
+        return plan(load_config(None, ["--run.name=a"]).run, serve, request, CheckpointSize(0, 0)).command
 
     pinned = command(ServeRequest(run_dir="/r/a", image=IMAGE, cpu="500m",
                                   serve_overrides=("--serve.pinned=['a', 'b']", "--serve.port=8001")))
@@ -260,7 +260,7 @@ def test_the_command_serves_a_trained_run_sized_from_its_checkpoint(trained_run,
         assert kubernetes_errors(document) == []
     config = load_config(trained_run / "config.toml")
     ref = locate(str(trained_run), {}, report=lambda message: None)
-    size = checkpoint_size(str(trained_run), config)
+    size = checkpoint_size(str(trained_run), config.checkpoint)
     # What the metadata says is what loading reads: the model's tensors, and all of them.
     assert size.model == sum(t.numel() * t.element_size() for t in model_state(ref).values()) > 100_000
     read = sum(t.numel() * t.element_size() for t in tensors_in(read_full_state(ref, {"model"})))
@@ -268,7 +268,7 @@ def test_the_command_serves_a_trained_run_sized_from_its_checkpoint(trained_run,
     assert size.read == read == size.model < whole / 2  # AdamW's two moments stay unread
     request = ServeRequest(run_dir=str(trained_run), image=IMAGE, model_pvc="runs",
                            serve_overrides=("--serve.max_batch_size=8",))
-    assert out == to_yaml(build(plan(config, load_config(None, request.serve_overrides).serve, request, size),
+    assert out == to_yaml(build(plan(config.run, load_config(None, request.serve_overrides).serve, request, size),
                                 request))
     deployment = documents[0]
     assert deployment["metadata"]["name"] == "demo-run"  # run.name made a Kubernetes name
@@ -301,7 +301,8 @@ def test_the_pods_command_serves_the_run_ready_on_its_probes(trained_run, tmp_pa
         (model,) = httpx.get(f"{server.url}/v1/models", timeout=30.0).json()["models"]
     assert (model["name"], model["loaded"], model["pinned"]) == ("Demo_Run", True, True)
     # The size the memory is asked for by is no underestimate of what the server holds.
-    assert model["bytes"] <= checkpoint_size(str(trained_run), load_config(trained_run / "config.toml")).model
+    run_config = load_config(trained_run / "config.toml")
+    assert model["bytes"] <= checkpoint_size(str(trained_run), run_config.checkpoint).model
 
 
 def test_a_run_without_a_checkpoint_needs_memory_given(tmp_path, capsys):

@@ -1,8 +1,8 @@
 """Kubernetes manifests that serve a trained run: a Deployment of ``meshyard serve`` pods,
 a ClusterIP Service in front of them, and a HorizontalPodAutoscaler (``autoscaling/v2``).
 
-Pure building, like ``meshyard.launch.kubernetes``: plain dicts that
-``meshyard.launch.k8s_cli`` prints for ``kubectl apply``. Only ``read_run`` (the run's
+Pure building, like ``meshyard.jobs.kubernetes``: plain dicts that
+``meshyard.jobs.k8s_cli`` prints for ``kubectl apply``. Only ``read_run`` (the run's
 config.toml) and ``checkpoint_size`` (its newest checkpoint's metadata) read files; nothing
 talks to a cluster.
 
@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 from meshyard.config.checks import field_problems
 from meshyard.config.load import ConfigError, collect_config, parse_override
-from meshyard.config.sections import Config, ServeConfig
-from meshyard.launch.kubernetes import (DNS1035, DNS1123_LABEL, DNS1123_NAME, GPU_RESOURCE, NAME_LIMIT, default_name,
+from meshyard.config.sections import CheckpointConfig, Config, RunConfig, ServeConfig
+from meshyard.jobs.kubernetes import (DNS1035, DNS1123_LABEL, DNS1123_NAME, GPU_RESOURCE, NAME_LIMIT, default_name,
                                        name_problems)
 from meshyard.run_dir import RunDir
 
@@ -139,7 +139,7 @@ class CheckpointSize(NamedTuple):
     """Every tensor a load reads: ``checkpoint.tools.model_state`` reads the model's entries only."""
 
 
-def checkpoint_size(run_dir: str, config: Config) -> CheckpointSize:
+def checkpoint_size(run_dir: str, checkpoint: CheckpointConfig) -> CheckpointSize:
     """The tensors of the run's newest valid checkpoint, read from its DCP metadata (shapes
     and dtypes; no tensor is loaded). Raises ``ConfigError`` naming the fix."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -148,7 +148,7 @@ def checkpoint_size(run_dir: str, config: Config) -> CheckpointSize:
 
     skipped: list[str] = []
     try:
-        ref = locate(run_dir, dict(config.checkpoint.storage_options), report=skipped.append)
+        ref = locate(run_dir, dict(checkpoint.storage_options), report=skipped.append)
         store = ref.store()
         entries = store.dcp_reader(store.path(ref.name)).read_metadata().state_dict_metadata
     except (LocationError, OSError, ValueError) as exc:
@@ -181,14 +181,14 @@ def serve_manifests(request: ServeRequest) -> list[dict[str, Any]]:
     Reads the run's config and, unless ``--memory`` is given, its newest checkpoint's
     metadata; raises one ``ConfigError`` listing every problem."""
     config, serve, problems = read_run(request)
-    problems += request_problems(config, serve, request)
+    problems += request_problems(config.run, serve, request)
     if problems:
         raise ConfigError(problems, "serving manifest")
-    size = CheckpointSize(0, 0) if request.memory else checkpoint_size(request.run_dir, config)
-    return build(plan(config, serve, request, size), request)
+    size = CheckpointSize(0, 0) if request.memory else checkpoint_size(request.run_dir, config.checkpoint)
+    return build(plan(config.run, serve, request, size), request)
 
 
-def request_problems(config: Config, serve: ServeConfig, request: ServeRequest) -> list[str]:
+def request_problems(run: RunConfig, serve: ServeConfig, request: ServeRequest) -> list[str]:
     """What makes ``request`` unusable, each with its fix; empty when fine."""
     low, high, start = request.min_replicas, request.max_replicas, request.replicas
     checks = [
@@ -204,7 +204,7 @@ def request_problems(config: Config, serve: ServeConfig, request: ServeRequest) 
          "in-flight requests per pod to scale at; 0 or left out: serve.max_batch_size)"),
         (request.cpu_target > 0, f"--cpu-target {request.cpu_target} must be above 0 (percent of the CPU request)"),
         (request.gpus >= 0, f"--gpus {request.gpus} must not be negative (0: serve on the CPU)"),
-        (not (request.gpus > 0 and config.run.device == "cpu"),
+        (not (request.gpus > 0 and run.device == "cpu"),
          f"--gpus {request.gpus} asks for GPUs but the run's config is CPU-only (run.device = 'cpu'): drop --gpus, "
          "or serve a run trained with run.device = 'auto' or 'cuda'"),
         (not (request.model_path and not request.model_pvc),
@@ -238,7 +238,7 @@ def _quantity_problems(request: ServeRequest) -> list[str]:
             if value and not _QUANTITY.match(value)]
 
 
-def plan(config: Config, serve: ServeConfig, request: ServeRequest, size: CheckpointSize) -> ServePlan:
+def plan(run: RunConfig, serve: ServeConfig, request: ServeRequest, size: CheckpointSize) -> ServePlan:
     """The checked request with its defaults filled in; ``size``: the checkpoint's (used
     when ``--memory`` is not given)."""
     port = request.port or serve.port
@@ -250,8 +250,8 @@ def plan(config: Config, serve: ServeConfig, request: ServeRequest, size: Checkp
     resources["limits"] = {"memory": resources["requests"]["memory"]}
     if request.gpus:
         resources["limits"][GPU_RESOURCE] = request.gpus
-    return ServePlan(name=request.name or default_name(config.run.name), port=port,
-                     command=pod_command(config, serve, request, port, cpu), resources=resources,
+    return ServePlan(name=request.name or default_name(run.name), port=port,
+                     command=pod_command(run, serve, request, port, cpu), resources=resources,
                      target=quantity(request.target_in_flight or serve.max_batch_size),
                      grace_s=DRAIN_S + math.ceil(serve.request_timeout_s) + DRAIN_S)
 
@@ -264,14 +264,14 @@ def model_path(request: ServeRequest) -> str:
     return request.run_dir.rstrip("/") or "/"
 
 
-def pod_command(config: Config, serve: ServeConfig, request: ServeRequest, port: int, cpu: str) -> list[str]:
+def pod_command(run: RunConfig, serve: ServeConfig, request: ServeRequest, port: int, cpu: str) -> list[str]:
     """``meshyard serve`` on the run, reachable from the Service, its model pinned (loaded at
     start-up, so /readyz, the readiness probe, turns 200 only once the pod can answer), and
     the ``--serve.*`` overrides."""
     given = {parse_override(text)[1]: text for text in request.serve_overrides}
     command = ["meshyard", "serve", model_path(request), "--host", "0.0.0.0", "--port", str(port)]
     if "pinned" not in given:
-        command += ["--pin", config.run.name]
+        command += ["--pin", run.name]
     command += [text for field, text in given.items() if field not in ("host", "port")]
     if "threads" not in given and cpu.isdigit():
         # torch would start one thread per core of the node, not of the pod's share of it.

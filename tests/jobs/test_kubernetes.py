@@ -2,7 +2,7 @@
 match the golden files, run meshyard the way the operators start pods, and bad requests
 are refused with exit code 2.
 
-The CRDs in tests/launch/k8s are the published ones (PyTorchJob of the training operator
+The CRDs in tests/jobs/k8s are the published ones (PyTorchJob of the training operator
 v1, TrainJob of Kubeflow Trainer v2). Their ``openAPIV3Schema`` is checked as JSON Schema
 (Draft 7) the way ``kubectl apply`` (strict field validation) checks it: unknown fields are
 errors, ``x-kubernetes-int-or-string`` takes an int or a string,
@@ -28,8 +28,8 @@ yaml = pytest.importorskip("yaml")
 from meshyard.cli import build_parser, main  # noqa: E402
 from meshyard.config.dump import REDACTED, recorded_dict  # noqa: E402
 from meshyard.config.load import ConfigError, group_override_tokens, load_config, tomllib  # noqa: E402
-from meshyard.launch.k8s_cli import to_yaml  # noqa: E402
-from meshyard.launch.kubernetes import (CONFIG_KEY, CONFIG_PATH, ManifestRequest, default_name,  # noqa: E402
+from meshyard.jobs.k8s_cli import to_yaml  # noqa: E402
+from meshyard.jobs.kubernetes import (CONFIG_KEY, CONFIG_PATH, ManifestRequest, default_name,  # noqa: E402
                                         manifests)
 from meshyard.runtime.environment import detect_environment  # noqa: E402
 from meshyard.validate import validate  # noqa: E402

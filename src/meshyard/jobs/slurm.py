@@ -1,7 +1,7 @@
 """The sbatch script of a meshyard job: one ``meshyard run`` agent per node through
 ``srun``, meeting at the allocation's first host, saving on ``USR1`` and requeueing itself.
 
-Pure text building: nothing here runs Slurm (``meshyard.launch.slurm_cli`` does).
+Pure text building: nothing here runs Slurm (``meshyard.jobs.slurm_cli`` does).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError
-from meshyard.config.sections import Config
+from meshyard.config.sections import Config, FaultConfig, RunConfig
 from meshyard.fault.preemption import EXIT_PREEMPTED
 
 RDZV_PORT_BASE = 20000
@@ -40,19 +40,20 @@ class SlurmOptions:
     extra: tuple[str, ...] = ()
 
 
-def slurm_problems(config: Config, options: SlurmOptions) -> list[str]:
-    """What makes ``options`` unusable for ``config``, each with its fix; empty when fine."""
+def slurm_problems(run: RunConfig, fault: FaultConfig, options: SlurmOptions) -> list[str]:
+    """What makes ``options`` unusable for a config's ``[run]`` and ``[fault]``, each with
+    its fix; empty when fine."""
     checks = [
         (options.nodes >= 1, f"--nodes {options.nodes}: a job needs at least one node"),
         (options.gpus_per_node >= 0, f"--gpus-per-node {options.gpus_per_node} must not be negative"),
         (options.cpus_per_task >= 0, f"--cpus-per-task {options.cpus_per_task} must not be negative"),
-        (not (options.gpus_per_node > 0 and config.run.device == "cpu"),
+        (not (options.gpus_per_node > 0 and run.device == "cpu"),
          f"--gpus-per-node {options.gpus_per_node} asks for GPUs but the config runs on the CPU "
          "(run.device = 'cpu'): drop --gpus-per-node, or set --run.device=auto or cuda"),
-        (not (options.gpus_per_node == 0 and config.run.device == "cuda"),
+        (not (options.gpus_per_node == 0 and run.device == "cuda"),
          "the config runs on CUDA (run.device = 'cuda') but no GPUs are asked for: add --gpus-per-node G"),
         (options.signal_grace_s > 0, f"--signal-grace {options.signal_grace_s} must be a positive number of seconds"),
-        ("SIGUSR1" in config.fault.signals,
+        ("SIGUSR1" in fault.signals,
          "fault.signals lacks SIGUSR1, the signal Slurm sends before the time limit: the job could not save "
          "and requeue; add it (--fault.signals='[\"SIGTERM\", \"SIGUSR1\"]')"),
     ]
@@ -62,9 +63,9 @@ def slurm_problems(config: Config, options: SlurmOptions) -> list[str]:
     return problems
 
 
-def slurm_dir(config: Config) -> Path:
+def slurm_dir(run: RunConfig) -> Path:
     """Where the job's scripts, config copies and Slurm output go: ``<run.dir>/slurm``."""
-    return Path(config.run.dir).expanduser().resolve() / "slurm"
+    return Path(run.dir).expanduser().resolve() / "slurm"
 
 
 def sbatch_script(config: Config, options: SlurmOptions, workdir: Path | None = None,
@@ -76,29 +77,29 @@ def sbatch_script(config: Config, options: SlurmOptions, workdir: Path | None = 
     folder) is where the job runs, so relative paths in the config mean the same there.
     Raises ``ConfigError`` naming every problem (``slurm_problems``).
     """
-    problems = slurm_problems(config, options)
+    problems = slurm_problems(config.run, config.fault, options)
     if problems:
         raise ConfigError(problems, "slurm options")
     workdir = (workdir or Path.cwd()).resolve()
-    folder = slurm_dir(config)
+    folder = slurm_dir(config.run)
     run = dataclasses.replace(config.run, dir=str(folder.parent))
     embedded = dataclasses.replace(config, run=run)
     parts = [
         "#!/bin/bash",
         "# Written by 'meshyard slurm script': one meshyard agent per node, saving on USR1 and",
         "# requeueing itself (the run directory is named by the job id, so the rerun resumes there).",
-        *_sbatch_lines(config, options, folder, workdir),
+        *_sbatch_lines(config.run, options, folder, workdir),
         "set -u",
         _config_block(folder, config_to_toml(embedded)),
-        _step_block(config, options, python),
-        _requeue_block(config, options),
+        _step_block(config.run, options, python),
+        _requeue_block(config.fault, options),
     ]
     return "\n".join(parts) + "\n"
 
 
-def _sbatch_lines(config: Config, options: SlurmOptions, folder: Path, workdir: Path) -> list[str]:
+def _sbatch_lines(run: RunConfig, options: SlurmOptions, folder: Path, workdir: Path) -> list[str]:
     wanted = [
-        f"--job-name={config.run.name}",
+        f"--job-name={run.name}",
         f"--nodes={options.nodes}",
         "--ntasks-per-node=1",  # one agent per node; it starts the node's workers
         f"--gpus-per-node={options.gpus_per_node}" if options.gpus_per_node else "",
@@ -111,7 +112,7 @@ def _sbatch_lines(config: Config, options: SlurmOptions, folder: Path, workdir: 
         f"--signal=B:USR1@{options.signal_grace_s}",
         "--requeue" if options.requeue else "--no-requeue",
         "--open-mode=append",  # a requeued run would otherwise truncate the log
-        f"--output={folder}/{config.run.name}-%j.out",
+        f"--output={folder}/{run.name}-%j.out",
         f"--chdir={workdir}",
         *(line.strip() for line in options.extra),
     ]
@@ -128,8 +129,8 @@ def _config_block(folder: Path, toml_text: str) -> str:
     ])
 
 
-def _step_block(config: Config, options: SlurmOptions, python: str) -> str:
-    nproc = options.gpus_per_node or config.run.nproc
+def _step_block(run: RunConfig, options: SlurmOptions, python: str) -> str:
+    nproc = options.gpus_per_node or run.nproc
     command = [
         shlex.quote(python), "-m", "meshyard.cli", "run", '"$config"', "--nnodes", str(options.nodes),
         *(["--nproc-per-node", str(nproc)] if nproc else []),
@@ -155,10 +156,10 @@ def _step_block(config: Config, options: SlurmOptions, python: str) -> str:
     ])
 
 
-def _requeue_block(config: Config, options: SlurmOptions) -> str:
+def _requeue_block(fault: FaultConfig, options: SlurmOptions) -> str:
     if not options.requeue:
         return "exit $rc"
-    limit = config.fault.max_requeues
+    limit = fault.max_requeues
     return "\n".join([
         # Bounded: a job that requeues itself on every signal would otherwise loop forever.
         f'if [ "$rc" -eq {EXIT_PREEMPTED} ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {limit} ]; then',

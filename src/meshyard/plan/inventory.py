@@ -2,7 +2,7 @@
 network path (domains, widest first) and the bandwidth of each level of the network.
 
 ``load_inventory`` reads the TOML file and reports every problem in one paragraph
-(``InventoryError``); ``meshyard.launch.placement`` places jobs on what it returns.
+(``InventoryError``); ``meshyard.plan.placement`` places jobs on what it returns.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Topology-aware placement of a job's GPUs on the free GPUs of a cluster's nodes.
 
-The inventory (a TOML file, ``meshyard.launch.inventory.load_inventory``) lists each node's free GPUs, their
+The inventory (a TOML file, ``meshyard.plan.inventory.load_inventory``) lists each node's free GPUs, their
 memory and the node's network path, widest domain first (``["spine-1", "leaf-3"]``).
 ``place`` chooses, in this order of preference:
 
@@ -18,7 +18,7 @@ innermost, as meshyard's DeviceMesh lays them out), so consecutive pipeline stag
 on the same node or on nodes of the narrowest domain available. ``round_robin`` is the
 naive placement it is compared with: one rank per node in turn, in inventory order.
 
-Nothing here imports torch or the planner: the costing lives with the command.
+Nothing here imports torch or the cost model: the costing lives in ``plan/place_cost.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Iterable
 
-from meshyard.launch.inventory import Inventory, Node, few
+from meshyard.plan.inventory import Inventory, Node, few
 
 
 class PlacementError(ValueError):
@@ -37,7 +37,7 @@ class PlacementError(ValueError):
 
 
 @dataclass(frozen=True)
-class Placement:
+class HostPlacement:
     """Nodes chosen for a job, and the node of every rank."""
 
     nodes: tuple[Node, ...]
@@ -67,7 +67,7 @@ class Placement:
 # --- choosing nodes -------------------------------------------------------------------------------
 
 def place(inventory: Inventory, gpus: int, tp: int = 1, min_memory_gb: float = 0.0,
-          per_node: int = 0) -> Placement:
+          per_node: int = 0) -> HostPlacement:
     """Topology-aware placement of ``gpus`` ranks in tensor-parallel groups of ``tp`` on
     nodes whose GPUs have at least ``min_memory_gb`` (see the module docstring), exactly
     ``per_node`` GPUs on each node when given. Raises ``PlacementError`` saying what is missing."""
@@ -75,7 +75,7 @@ def place(inventory: Inventory, gpus: int, tp: int = 1, min_memory_gb: float = 0
     fits = [n for n in inventory.nodes if usable.get(n.name, 0) >= gpus]
     if fits:
         node = min(fits, key=lambda n: n.free_gpus)  # the first of equals: inventory order
-        return Placement((node,), (0,) * gpus, node.domains, "the node with the fewest free GPUs that fit")
+        return HostPlacement((node,), (0,) * gpus, node.domains, "the node with the fewest free GPUs that fit")
     for depth in range(inventory.depth, -1, -1):
         found = _best_domain(inventory, usable, gpus, depth)
         if found is not None:
@@ -89,10 +89,10 @@ def place(inventory: Inventory, gpus: int, tp: int = 1, min_memory_gb: float = 0
     nodes = tuple(chosen[i] for i in order)
     ranks = tuple(position for position, i in enumerate(order) for _ in range(taken[i]))
     how = f"the narrowest domain with {gpus} usable GPUs" if prefix else "no one domain has enough free GPUs"
-    return Placement(nodes, ranks, prefix, how)
+    return HostPlacement(nodes, ranks, prefix, how)
 
 
-def round_robin(inventory: Inventory, gpus: int, min_memory_gb: float = 0.0) -> Placement:
+def round_robin(inventory: Inventory, gpus: int, min_memory_gb: float = 0.0) -> HostPlacement:
     """The naive placement: rank after rank on the next node with a free GPU, in
     inventory order (one GPU per node in turn), blind to domains and tensor groups."""
     nodes = [n for n in inventory.nodes if n.free_gpus > 0 and n.gpu_memory_gb >= min_memory_gb]
@@ -108,7 +108,7 @@ def round_robin(inventory: Inventory, gpus: int, min_memory_gb: float = 0.0) -> 
     used = sorted(set(ranks))
     chosen = tuple(nodes[i] for i in used)
     position = {i: p for p, i in enumerate(used)}
-    return Placement(chosen, tuple(position[i] for i in ranks), common_domain(chosen), "round-robin")
+    return HostPlacement(chosen, tuple(position[i] for i in ranks), common_domain(chosen), "round-robin")
 
 
 def common_domain(nodes: Iterable[Node]) -> tuple[str, ...]:
@@ -297,17 +297,17 @@ def _fill(chosen: list[Node], usable: dict[str, int], gpus: int) -> list[int]:
 
 # --- what the scheduler and the cost model are given ----------------------------------------------
 
-def hostfile(placement: Placement) -> str:
+def hostfile(placement: HostPlacement) -> str:
     """``name slots=G`` per node, in node-rank order (DeepSpeed's and Open MPI's format)."""
     return "".join(f"{n.name} slots={g}\n" for n, g in zip(placement.nodes, placement.counts))
 
 
-def nodelist(placement: Placement) -> str:
+def nodelist(placement: HostPlacement) -> str:
     """The nodes as Slurm's ``--nodelist`` takes them: names joined by commas."""
     return ",".join(n.name for n in placement.nodes)
 
 
-def node_affinity(placement: Placement, key: str = "kubernetes.io/hostname") -> dict[str, Any]:
+def node_affinity(placement: HostPlacement, key: str = "kubernetes.io/hostname") -> dict[str, Any]:
     """A pod's ``affinity`` that requires one of the chosen nodes (by ``key``, the hostname label)."""
     term = {"matchExpressions": [{"key": key, "operator": "In", "values": [n.name for n in placement.nodes]}]}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
@@ -334,7 +334,7 @@ class GroupSpan:
         return self.nodes > 1
 
 
-def group_spans(placement: Placement, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> dict[str, set[GroupSpan]]:
+def group_spans(placement: HostPlacement, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> dict[str, set[GroupSpan]]:
     """The distinct spans of every tp, dp, dp_shard and dp_replicate group and of every
     pair of neighbouring pipeline stages ('pp'), ranks laid out as meshyard's DeviceMesh
     (pp, dp_replicate, dp_shard, tp; tp innermost)."""
@@ -353,7 +353,7 @@ def group_spans(placement: Placement, dp_replicate: int, dp_shard: int, tp: int,
     return spans
 
 
-def _span(placement: Placement, ranks: list[int]) -> GroupSpan:
+def _span(placement: HostPlacement, ranks: list[int]) -> GroupSpan:
     per_node = Counter(placement.ranks[r] for r in ranks)
     shared = len(common_domain(placement.nodes[i] for i in per_node))
     return GroupSpan(size=len(ranks), nodes=len(per_node), min_per_node=min(per_node.values()),
