@@ -10,6 +10,7 @@ import pytest
 import meshyard
 from meshyard.cli import main
 from meshyard.validate import load_and_validate
+from meshyard.config.sections import PrecisionConfig, RunConfig
 from meshyard.verify import VerifyReport, tolerance_for
 from meshyard.verify.compare import _for_comparison, compare_runs, describe_layout, single_process
 from tests.conftest import tiny_config
@@ -53,8 +54,8 @@ def users_reports(tmp_path_factory) -> dict[str, VerifyReport]:
     for case, (model, layout) in wanted.items():
         config, checked = load_and_validate(None, [*TINY, f"--model.name={USER_MODELS}:{model}", *layout,
                                                    "--run.nproc=2", f"--data.cache_dir={root / 'cache'}"])
-        precision, tolerance = tolerance_for(config)
-        reports[case] = VerifyReport(precision, tolerance, describe_layout(config, 2, checked.dims))
+        precision, tolerance = tolerance_for(config.run, config.precision)
+        reports[case] = VerifyReport(precision, tolerance, describe_layout(config.parallel, 2, checked.dims))
         single = _for_comparison(single_process(config, checked.batch.micro_batch), USERS_STEPS, root / case / "single")
         meshyard.run(single, nproc=1, resume="none")
         layout_runs.append(_for_comparison(config, USERS_STEPS, root / case / "layout"))
@@ -89,14 +90,14 @@ def test_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_tolerance_follows_precision(tmp_path):
-    name, fp32 = tolerance_for(tiny_config(tmp_path, "--precision.dtype=fp32"))
+    name, fp32 = tolerance_for(RunConfig(), PrecisionConfig(dtype="fp32"))
     assert name == "fp32" and fp32.loss_rel == 1e-5
-    _, bf16 = tolerance_for(tiny_config(tmp_path, "--precision.dtype=bf16"))
+    _, bf16 = tolerance_for(RunConfig(), PrecisionConfig(dtype="bf16"))
     assert bf16.loss_rel > fp32.loss_rel and bf16.param_abs > fp32.param_abs
 
 
 def test_report_fails_on_any_threshold(tmp_path):
-    _, tol = tolerance_for(tiny_config(tmp_path, "--precision.dtype=fp32"))
+    _, tol = tolerance_for(RunConfig(), PrecisionConfig(dtype="fp32"))
     step = {"step": 1, "loss_single": 2.0, "loss_layout": 2.0, "loss_rel": 0.0, "grad_norm_rel": 0.0}
     assert VerifyReport("fp32", tol, "x", steps=[step]).passed
     assert not VerifyReport("fp32", tol, "x", steps=[{**step, "loss_rel": 1e-3}]).passed

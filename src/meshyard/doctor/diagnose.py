@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from meshyard.config.load import load_config
-from meshyard.config.sections import Config
+from meshyard.config.sections import (CommConfig, Config, DataConfig, MetricsConfig, ParallelConfig, PrecisionConfig,
+                                      TrainConfig)
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
 from meshyard.run_dir import RunDir
@@ -129,8 +130,9 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     run_dir = Path(run_dir)
     config, facts, records = load_run(run_dir)
     ev = gather_evidence(facts, records)
-    findings = [f for f in (_straggler(ev, config), _data(ev, config), _comm(ev, config, facts),
-                            _memory(ev, config), _compute(ev, config)) if f]
+    findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data),
+                            _comm(ev, config.train, config.parallel, config.comm, facts),
+                            _memory(ev, config.train), _compute(ev, config.train, config.precision)) if f]
     if not findings:
         findings = [Finding("healthy", [
             f"compute (forward + backward + optimizer) takes {_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} "
@@ -140,7 +142,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     return Diagnosis(run_dir, findings, ev)
 
 
-def _straggler(ev: RunEvidence, cfg: Config) -> Finding | None:
+def _straggler(ev: RunEvidence, metrics: MetricsConfig, data: DataConfig) -> Finding | None:
     if not ev.straggler_windows or not ev.windows:
         return None
     rank, count = max(ev.straggler_windows.items(), key=lambda item: item[1])
@@ -152,49 +154,50 @@ def _straggler(ev: RunEvidence, cfg: Config) -> Finding | None:
     return Finding("straggler", [
         f"{rank_on_host(rank, host)} was the slowest in {count} of {ev.windows} gathered windows: "
         f"{ev.busy_by_rank[rank] * 1000:.0f} ms busy per step against a median of {median * 1000:.0f} ms "
-        f"(threshold x{cfg.metrics.straggler_factor})",
+        f"(threshold x{metrics.straggler_factor})",
         f"the other ranks wait for it: exposed communication is {_pct(ev.shares['comm'])} of the step",
     ], [
         f"check {machine}: throttling (nvidia-smi -q -d PERFORMANCE), other jobs, a slower GPU model, or a slower "
         "disk feeding its data",
-        f"if its data loading is slow, raise data.num_workers (now {cfg.data.num_workers}) on that node",
+        f"if its data loading is slow, raise data.num_workers (now {data.num_workers}) on that node",
         "restart the job without that node (fault.max_restarts lets the elastic agent resume from the checkpoint)",
     ])
 
 
-def _data(ev: RunEvidence, cfg: Config) -> Finding | None:
+def _data(ev: RunEvidence, data: DataConfig) -> Finding | None:
     if ev.shares["data"] < DATA_BOUND_SHARE:
         return None
     return Finding("data-bound", [
         f"waiting for data takes {_pct(ev.shares['data'])} of the {ev.step_time_s * 1000:.0f} ms step "
         f"(threshold {_pct(DATA_BOUND_SHARE)})",
     ], [
-        f"raise data.num_workers (now {cfg.data.num_workers}) so batches are prepared in parallel processes",
-        f"raise data.prefetch_factor (now {cfg.data.prefetch_factor}) so more batches are ready ahead",
+        f"raise data.num_workers (now {data.num_workers}) so batches are prepared in parallel processes",
+        f"raise data.prefetch_factor (now {data.prefetch_factor}) so more batches are ready ahead",
         "tokenize ahead of time: data.source = 'tokens' reads memory-mapped token files with no per-sample work",
     ])
 
 
-def _comm(ev: RunEvidence, cfg: Config, facts: dict[str, Any]) -> Finding | None:
+def _comm(ev: RunEvidence, train: TrainConfig, parallel: ParallelConfig, comm: CommConfig,
+          facts: dict[str, Any]) -> Finding | None:
     if ev.shares["comm"] < COMM_BOUND_SHARE:
         return None
-    advice = [f"accumulate more: train.grad_accum (now {facts.get('grad_accum', cfg.train.grad_accum)}) syncs "
+    advice = [f"accumulate more: train.grad_accum (now {facts.get('grad_accum', train.grad_accum)}) syncs "
               "gradients once per optimizer step, so fewer syncs per sample"]
-    if cfg.parallel.strategy in ("ddp", "zero1"):
-        advice += [f"larger gradient buckets overlap better: parallel.bucket_mb (now {cfg.parallel.bucket_mb})",
+    if parallel.strategy in ("ddp", "zero1"):
+        advice += [f"larger gradient buckets overlap better: parallel.bucket_mb (now {parallel.bucket_mb})",
                    f"compress gradients: comm.compression = 'bf16' (2x less traffic) or 'powersgd' (now "
-                   f"'{cfg.comm.compression}'; see meshyard bench compression)"]
+                   f"'{comm.compression}'; see meshyard bench compression)"]
     else:
         advice += ["keep gathered weights between forward and backward: parallel.reshard_after_forward = false "
                    "(ZeRO-2, one all-gather less per step)",
                    "across nodes, shard within a node and replicate across: parallel.dp_replicate = number of nodes (HSDP)"]
     return Finding("communication-bound", [
         f"exposed (not overlapped) communication takes {_pct(ev.shares['comm'])} of the step "
-        f"(threshold {_pct(COMM_BOUND_SHARE)}); strategy {cfg.parallel.strategy} on {facts.get('world_size', '?')} ranks",
+        f"(threshold {_pct(COMM_BOUND_SHARE)}); strategy {parallel.strategy} on {facts.get('world_size', '?')} ranks",
     ], advice)
 
 
-def _memory(ev: RunEvidence, cfg: Config) -> Finding | None:
+def _memory(ev: RunEvidence, train: TrainConfig) -> Finding | None:
     if ev.memory_fraction is None or ev.memory_fraction < MEMORY_BOUND_FRACTION:
         return None
     return Finding("memory-bound", [
@@ -203,19 +206,19 @@ def _memory(ev: RunEvidence, cfg: Config) -> Finding | None:
     ], [
         "shard model states: parallel.strategy = 'fsdp' (or 'zero1' to shard only the optimizer)",
         "recompute activations in backward: parallel.ac = 'selective' or 'full'",
-        f"halve train.micro_batch (now {cfg.train.micro_batch or 'derived'}) and double train.grad_accum: same "
+        f"halve train.micro_batch (now {train.micro_batch or 'derived'}) and double train.grad_accum: same "
         "global batch, less activation memory",
     ])
 
 
-def _compute(ev: RunEvidence, cfg: Config) -> Finding | None:
+def _compute(ev: RunEvidence, train: TrainConfig, precision: PrecisionConfig) -> Finding | None:
     if ev.mfu is None or ev.mfu >= LOW_MFU:
         return None
     return Finding("compute-bound", [
         f"compute dominates ({_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} of the "
         f"step) but reaches only {_pct(ev.mfu)} of the device's peak FLOP/s",
     ], [
-        f"give the device larger matmuls: raise train.micro_batch (now {cfg.train.micro_batch or 'derived'})",
-        f"compute in bf16 on GPUs that support it: precision.dtype = 'bf16' (now '{cfg.precision.dtype}')",
+        f"give the device larger matmuls: raise train.micro_batch (now {train.micro_batch or 'derived'})",
+        f"compute in bf16 on GPUs that support it: precision.dtype = 'bf16' (now '{precision.dtype}')",
         "if activation checkpointing is on and memory allows, turn it off: parallel.ac = 'none'",
     ])

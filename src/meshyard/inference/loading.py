@@ -31,7 +31,7 @@ from meshyard.checkpoint.locate import KINDS as LOCATE_KINDS
 from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate
 from meshyard.checkpoint.tools import model_state
 from meshyard.config.load import ConfigError, config_from_dict, load_config
-from meshyard.config.sections import Config
+from meshyard.config.sections import Config, DataConfig, ModelConfig
 from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.inference.engine import EagerEngine, Engine
 from meshyard.inference.runtimes import describe_export, load_export_engine
@@ -59,7 +59,7 @@ def describe(path: str, name: str | None = None) -> ModelSource:
     config = _config_of(target, ref)
     return ModelSource(
         path=path, name=name or config.run.name, version=version_of(ref),
-        vocab_size=_vocab_size(config, ref, path), context_length=config.model.context_length or config.data.seq_len,
+        vocab_size=_vocab_size(config.model, config.data, ref, path), context_length=config.model.context_length or config.data.seq_len,
         tokenizer=tokenizer_for(config.data), estimated_bytes=_estimated_bytes(ref, config.model.tie_embeddings), config=config,
         checkpoint=ref.location,
     )
@@ -158,16 +158,16 @@ def _estimated_bytes(ref: CheckpointRef, tied_embeddings: bool) -> int:
     return sum(int(f.get("size", 0)) for f in files.values())
 
 
-def _vocab_size(config: Config, ref: CheckpointRef, path: str) -> int:
+def _vocab_size(model: ModelConfig, data: DataConfig, ref: CheckpointRef, path: str) -> int:
     """``model.vocab_size``, else the data's (256 for byte text and for unsized random
     tokens, else ``data.vocab_size``), else the rows of the checkpoint's token embedding."""
-    if config.model.vocab_size:
-        return config.model.vocab_size
-    if config.data.source in BYTE_SOURCES:
+    if model.vocab_size:
+        return model.vocab_size
+    if data.source in BYTE_SOURCES:
         return BYTE_VOCAB
-    if config.data.vocab_size:
-        return config.data.vocab_size
-    if config.data.source == "random":
+    if data.vocab_size:
+        return data.vocab_size
+    if data.source == "random":
         return BYTE_VOCAB
     rows = vocab_from_shapes({key: tuple(t.size) for key, t in _model_tensors(ref).items()})
     if rows is None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from meshyard.checkpoint.tools import model_state, resolve
-from meshyard.config.sections import Config, ParallelConfig
+from meshyard.config.sections import Config, ParallelConfig, PrecisionConfig, RunConfig
 from meshyard.runtime.parallel_dims import ParallelDims
 from meshyard.train.precision import resolve_dtype
 from meshyard.validate import validate
@@ -42,11 +42,11 @@ TOLERANCES = {
 }
 
 
-def tolerance_for(cfg: Config) -> tuple[str, Tolerance]:
-    """The precision the run computes in and the tolerance that goes with it."""
-    device = torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu")
+def tolerance_for(run: RunConfig, precision: PrecisionConfig) -> tuple[str, Tolerance]:
+    """The precision a run computes in and the tolerance that goes with it."""
+    device = torch.device("cuda" if run.device != "cpu" and torch.cuda.is_available() else "cpu")
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-        resolve_dtype(cfg.precision.dtype, device)]
+        resolve_dtype(precision.dtype, device)]
     return name, TOLERANCES[name]
 
 
@@ -86,8 +86,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def describe_layout(cfg: Config, nproc: int, dims: ParallelDims) -> str:
-    p = cfg.parallel
+def describe_layout(p: ParallelConfig, nproc: int, dims: ParallelDims) -> str:
     parts = [f"{nproc} ranks", f"strategy {p.strategy}", f"dp_replicate {dims.dp_replicate}",
              f"dp_shard {dims.dp_shard}", f"tp {dims.tp}", f"pp {dims.pp}"]
     if dims.pp > 1:
@@ -158,8 +157,8 @@ def verify_layout(cfg: Config, nproc: int, steps: int = 5, workdir: str | Path |
     layout_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, nproc=nproc))
     checked = validate(layout_cfg, nproc)
     batch = checked.batch
-    precision, tolerance = tolerance_for(cfg)
-    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg, nproc, checked.dims))
+    precision, tolerance = tolerance_for(cfg.run, cfg.precision)
+    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg.parallel, nproc, checked.dims))
     with tempfile.TemporaryDirectory(prefix="meshyard-verify-") as scratch:
         root = Path(workdir) if workdir else Path(scratch)
         single_cfg = _for_comparison(single_process(cfg, batch.micro_batch), steps, root / "single")
