@@ -67,7 +67,7 @@ def test_a_config_name_plans_the_same_layouts_as_the_planners(capsys):
     for strategy in ("fsdp", "fsdp3"):
         assert _run("--model", "gpt-tiny", "--gpus", "2", "--seq-len", "128", "--strategy", strategy) == 0
         outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1] and "fsdp3 dp=2" in outputs[0]
+    assert outputs[0] == outputs[1] and "fsdp dp=2" in outputs[0]
 
 
 def test_scale_table_and_plot(tmp_path, capsys):

@@ -67,3 +67,10 @@ def test_filters_restrict_the_search():
     (only,) = result.feasible
     assert (only.layout.strategy, only.layout.ac, only.layout.micro_batch, only.layout.grad_accum) == \
         ("fsdp3", "full", 2, 16)
+
+
+def test_the_planner_offers_zero1_only_where_the_trainer_runs_it():
+    result = plan(GPT2, make_cluster("h100", 8, 8, "ib-ndr-8x"), _request(global_batch=64, seq_len=1024,
+                                                                          strategies=("zero1",)))
+    assert result.feasible and all((c.layout.tp, c.layout.pp) == (1, 1) for c in result.feasible)
+    assert any("zero1 runs without tensor and pipeline parallelism" in r.reason for r in result.rejected)

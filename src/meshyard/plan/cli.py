@@ -13,7 +13,8 @@ from meshyard.hardware import GPUS, INTER_NODE_LINKS, CatalogError
 from meshyard.plan.inputs import PlanInputError, PlanInputs, resolve_inputs
 from meshyard.plan.layout import CONFIG_STRATEGIES, TRAINABLE_PRECISIONS
 from meshyard.plan.report import (
-    render_catalog, render_cluster, render_memory, render_model, render_plan, render_scale, render_step,
+    render_catalog, render_cluster, render_memory, render_model, render_plan, render_scale, render_settings,
+    render_step,
 )
 from meshyard.plan.scale import plot_scale, simulate_scale
 from meshyard.plan.search import plan
@@ -34,7 +35,7 @@ examples:
   meshyard plan --model gpt --n-layer 32 --n-head 32 --d-model 4096 --seq-len 4096 \\
       --gpus 64 --gpu h100 --gpu-memory 80GB --gpus-per-node 8 --interconnect ib-ndr-8x
   meshyard plan --config run.toml --gpus 16 --gpu a100 --interconnect eth-100g
-  meshyard plan --model gpt2-124m --scale 8,64,512,4096 --strategy fsdp3 --out scale.png
+  meshyard plan --model gpt2-124m --scale 8,64,512,4096 --strategy fsdp --out scale.png
   meshyard plan --list-hardware
 
 Sizes: GB = 10^9 bytes, GiB = 2^30 bytes (a bare number is GB). The cost model and its
@@ -159,6 +160,7 @@ def _run_plan(console: Console, inputs: PlanInputs, args: argparse.Namespace) ->
         label = f"#{args.explain} {chosen.layout.describe()}"
         render_memory(console, chosen.memory, f"Memory of {label}")
         render_step(console, chosen.step, f"Step time of {label}")
+    render_settings(console, result.feasible[0].layout, inputs.cluster.nodes)
     return 0
 
 

@@ -29,6 +29,13 @@ its 'fsdp' is fsdp3, or fsdp2 with ``reshard_after_forward`` false, or hsdp with
 ``dp_replicate`` > 1 (``planner_strategy``)."""
 
 
+CONFIG_LABELS = {"none": "none", "ddp": "ddp", "zero1": "zero1", "fsdp3": "fsdp", "fsdp2": "fsdp (no reshard)",
+                 "hsdp": "fsdp"}
+"""How each planner strategy reads in the config's terms (``PlannedLayout.describe``)."""
+CONFIG_SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved1f1b"}
+"""The planner's pipeline schedules as ``parallel.pp_schedule`` names them."""
+
+
 def planner_strategy(parallel: ParallelConfig, dp_replicate: int = 0) -> str:
     """The planner's strategy for a config's ``[parallel]`` section: the one translation
     from the config's terms to the planner's.
@@ -159,12 +166,34 @@ class PlannedLayout:
         return OPTIMIZER_STATES[self.optimizer]
 
     def describe(self) -> str:
-        """Short label such as ``fsdp3 dp=8 tp=2 pp=1``."""
+        """Short label in the config's terms, such as ``fsdp dp=8 tp=2 pp=1``: ZeRO-2 reads
+        ``fsdp (no reshard)`` (``parallel.reshard_after_forward = false``), HSDP
+        ``fsdp dp=2x4`` (``parallel.dp_replicate = 2`` replicas of 4 shards)."""
         if self.strategy == "hsdp":
             dp = f"dp={self.dp_replicate}x{self.dp_shard}"
         else:
             dp = f"dp={self.dp}"
-        return f"{self.strategy} {dp} tp={self.tp} pp={self.pp}"
+        return f"{CONFIG_LABELS[self.strategy]} {dp} tp={self.tp} pp={self.pp}"
+
+    def config_overrides(self) -> list[str]:
+        """The settings that run this layout, as ``meshyard run`` takes them: the inverse of
+        ``planner_strategy`` plus degrees, batch shape and memory savers."""
+        fsdp = self.strategy in ("fsdp2", "fsdp3", "hsdp")
+        overrides = [f"--parallel.strategy={'fsdp' if fsdp else self.strategy}"]
+        if self.strategy == "fsdp2":
+            overrides.append("--parallel.reshard_after_forward=false")
+        if self.strategy == "hsdp":
+            overrides.append(f"--parallel.dp_replicate={self.dp_replicate}")
+        if self.tp > 1:
+            overrides.append(f"--parallel.tp={self.tp}")
+        if self.pp > 1:
+            overrides += [f"--parallel.pp={self.pp}", f"--parallel.pp_schedule={CONFIG_SCHEDULES[self.pp_schedule]}"]
+        if self.ac != "none":
+            overrides.append(f"--parallel.ac={self.ac}")
+        if self.offload:
+            overrides.append("--parallel.cpu_offload=true")
+        return [*overrides, f"--train.global_batch={self.global_batch}", f"--train.micro_batch={self.micro_batch}",
+                f"--data.seq_len={self.seq_len}"]
 
     def with_(self, **changes: object) -> "PlannedLayout":
         """A copy with some fields changed."""

@@ -63,6 +63,14 @@ def render_plan(console: Console, result: PlanResult, top: int, show_rejected: i
         render_rejections(console, result, show_rejected)
 
 
+def render_settings(console: Console, layout: PlannedLayout, nodes: int) -> None:
+    """The config settings that run the best layout, ready to paste after ``meshyard run``."""
+    per_node = layout.world_size // max(1, nodes)
+    where = f"--nnodes={nodes} --nproc={per_node}" if nodes > 1 else f"--nproc={layout.world_size}"
+    console.print(f"Run #1 with: meshyard run CONFIG {where} {' '.join(layout.config_overrides())}",
+                  highlight=False, soft_wrap=True)
+
+
 def render_rejections(console: Console, result: PlanResult, limit: int) -> None:
     """Rejected families, those with the same reason merged into one row."""
     grouped: dict[str, list[str]] = {}

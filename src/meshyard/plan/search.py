@@ -15,7 +15,7 @@ from typing import Iterable
 
 from meshyard.plan.cost import DEFAULT_OVERLAP, StepEstimate, estimate_step
 from meshyard.plan.hardware import Cluster
-from meshyard.plan.layout import AC_MODES, STRATEGIES, PlannedLayout, PlanPrecision, make_layout
+from meshyard.plan.layout import AC_MODES, CONFIG_LABELS, STRATEGIES, PlannedLayout, PlanPrecision, make_layout
 from meshyard.plan.memory import MemoryEstimate, estimate_memory, usable_bytes
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.units import fmt_bytes
@@ -87,6 +87,8 @@ def structural_problem(desc: ModelDescription, cluster: Cluster, strategy: str, 
     if n % (tp * pp):
         return f"tp x pp = {tp * pp} does not divide {n} GPUs"
     dp = n // (tp * pp)
+    if strategy == "zero1" and (tp > 1 or pp > 1):
+        return "zero1 runs without tensor and pipeline parallelism in meshyard; fsdp shards alongside them"
     if tp > 1 and not desc.tp_capable:
         return "tensor parallelism needs a known block layout (GPT presets or custom GPT sizes)"
     if tp > cluster.gpus_per_node:
@@ -143,7 +145,7 @@ def _better(step: StepEstimate, memory: MemoryEstimate, best: Candidate) -> bool
 
 
 def _family_label(strategy: str, tp: int, pp: int, dp: int) -> str:
-    return f"{strategy} dp={dp} tp={tp} pp={pp}"
+    return f"{CONFIG_LABELS[strategy]} dp={dp} tp={tp} pp={pp}"
 
 
 
