@@ -1,0 +1,136 @@
+"""``meshyard ckpt export --format hf``: a checkpoint as a folder ``transformers`` loads.
+
+The folder holds ``config.json``, the weights as safetensors (one ``model.safetensors``, or
+shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, as
+``save_pretrained`` writes them) and ``generation_config.json``. meshyard's own GPT is
+written as ``GPT2LMHeadModel`` (``models.hf_gpt2``). The weights are read from the DCP
+checkpoint one shard's tensors at a time, each tensor whole whatever layout saved it, so
+the process never holds more than one output shard of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshyard.checkpoint.locate import CheckpointRef
+from meshyard.checkpoint.manifest import verify
+from meshyard.checkpoint.tools import CheckpointToolError, read_full_state
+from meshyard.config.load import ConfigError, config_from_dict
+from meshyard.config.sections import Config
+from meshyard.extras import require
+from meshyard.models.hf_gpt2 import NotGPT2, gpt2_config, gpt2_name
+from meshyard.models.registry import gpt_shape
+from meshyard.plugins import is_custom_reference
+
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default for save_pretrained
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What the folder describes: its config.json, and each checkpoint tensor's name there
+    with whether it is transposed (None: not stored, e.g. a tied head)."""
+
+    config: dict[str, Any]
+    names: dict[str, tuple[str, bool] | None]
+
+
+def export_hugging_face(ref: CheckpointRef, out: Path, report: Callable[[str], None] = print,
+                        max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write checkpoint ``ref`` as a Hugging Face model folder ``out``; returns ``out``."""
+    save_file = require("safetensors.torch", "exporting a Hugging Face folder").save_file
+    store = ref.store()
+    manifest, problem = verify(store, store.path(ref.name))
+    if problem:
+        raise CheckpointToolError(f"{store.url_of(ref.name)} is not valid: {problem}")
+    shapes = _model_shapes(ref)
+    target = _target(_recorded_config(ref, manifest), shapes)
+    stored = {name: renamed for name, renamed in target.names.items() if renamed is not None}
+    shards = _shards(stored, shapes, max_shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for index, names in enumerate(shards, start=1):
+        file = WEIGHTS if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        tensors = read_full_state(ref, {f"model.{name}" for name in names})["model"]
+        renamed = {}
+        for name in names:
+            new_name, transposed = stored[name]
+            tensor = tensors.pop(name)
+            renamed[new_name] = (tensor.t() if transposed else tensor).contiguous()
+            weight_map[new_name] = file
+        save_file(renamed, str(out / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(_bytes(shapes[name]) for name in stored)
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                             "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / "config.json").write_text(json.dumps({**target.config, "torch_dtype": _dtype_name(shapes)}, indent=2))
+    generation = {key: target.config[key] for key in ("bos_token_id", "eos_token_id")
+                  if target.config.get(key) is not None}
+    (out / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True}, indent=2))
+    report(f"exported {len(weight_map)} tensors of step {manifest['step']} as {target.config['architectures'][0]} "
+           f"to {out} ({len(shards)} safetensors file{'s' if len(shards) > 1 else ''})")
+    return out
+
+
+def _recorded_config(ref: CheckpointRef, manifest: dict[str, Any]) -> Config:
+    """The run's config as the checkpoint's manifest recorded it."""
+    recorded = manifest.get("config")
+    try:
+        return config_from_dict(tomllib.loads(recorded)) if isinstance(recorded, str) else Config()
+    except (ValueError, ConfigError) as exc:
+        raise CheckpointToolError(f"{ref.location}: the run config its manifest recorded cannot be read ({exc}); "
+                                  "export a checkpoint written by this version of meshyard") from None
+
+
+def _model_shapes(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors in the checkpoint's DCP metadata (sizes and dtypes, no data)."""
+    store = ref.store()
+    metadata = store.dcp_reader(store.path(ref.name)).read_metadata()
+    return {key.removeprefix("model."): value for key, value in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+
+
+def _target(cfg: Config, shapes: dict[str, TensorStorageMetadata]) -> _Target:
+    """meshyard's GPT becomes GPT2LMHeadModel; other models are refused with the reason."""
+    name = cfg.model.name
+    if is_custom_reference(name) or name == "mlp" or "tok_emb.weight" not in shapes or "pos_emb.weight" not in shapes:
+        raise CheckpointToolError(
+            f"--format hf writes meshyard's GPT (as GPT2LMHeadModel); this checkpoint's model is '{name}'. Export "
+            "it as one file instead (--out model.safetensors), which any PyTorch code can load")
+    shape = gpt_shape(cfg.model, int(shapes["tok_emb.weight"].size[0]), int(shapes["pos_emb.weight"].size[0]))
+    try:
+        return _Target(gpt2_config(shape), {key: gpt2_name(key, shape.tie_embeddings) for key in shapes})
+    except NotGPT2 as exc:
+        raise CheckpointToolError(f"this checkpoint's GPT cannot be written as GPT2LMHeadModel: {exc}") from None
+
+
+def _bytes(meta: TensorStorageMetadata) -> int:
+    return int(torch.Size(meta.size).numel()) * meta.properties.dtype.itemsize
+
+
+def _shards(stored: dict[str, Any], shapes: dict[str, TensorStorageMetadata], max_bytes: int) -> list[list[str]]:
+    """The stored tensors in checkpoint order, cut into runs of at most ``max_bytes`` (a
+    larger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in stored:
+        nbytes = _bytes(shapes[name])
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _dtype_name(shapes: dict[str, TensorStorageMetadata]) -> str:
+    dtypes = {meta.properties.dtype for meta in shapes.values()}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+

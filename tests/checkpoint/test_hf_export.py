@@ -1,0 +1,57 @@
+"""``meshyard ckpt export --format hf``: a folder ``transformers`` loads, with the same logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from meshyard.checkpoint.hf_export import export_hugging_face
+from meshyard.checkpoint.locate import locate
+from meshyard.checkpoint.tools import CheckpointToolError, model_state
+from meshyard.config.load import load_config
+from meshyard.models.gpt import GPT
+from meshyard.models.registry import gpt_shape
+
+transformers = pytest.importorskip("transformers")
+
+
+def _meshyard_model(run_dir, ref) -> GPT:
+    cfg = load_config(run_dir / "config.toml")
+    state = model_state(ref)
+    model = GPT(gpt_shape(cfg.model, state["tok_emb.weight"].shape[0], state["pos_emb.weight"].shape[0]))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 40_000], ids=["one file", "sharded"])
+def test_a_gpt_run_loads_as_gpt2_with_the_same_logits(trained_run, tmp_path, max_shard_bytes):
+    ref = locate(str(trained_run), {})
+    out = tmp_path / "hf"
+    export_hugging_face(ref, out, report=lambda message: None,
+                        **({"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}))
+    files = sorted(path.name for path in out.iterdir())
+    if max_shard_bytes:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 1 and set(shards) <= set(files) and "model.safetensors" not in files
+        assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as the embedding
+    else:
+        assert {"config.json", "generation_config.json", "model.safetensors"} <= set(files)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(loaded).__name__ == "GPT2LMHeadModel"
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    ours = _meshyard_model(trained_run, ref)
+    tokens = torch.randint(0, ours.shape.vocab_size, (2, ours.shape.context_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = loaded(tokens).logits
+        expected = ours(tokens)
+    torch.testing.assert_close(theirs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_gpt2_cannot_express_is_refused_in_one_paragraph(custom_model_run, tmp_path):
+    ref = locate(str(custom_model_run), {})
+    with pytest.raises(CheckpointToolError, match="--format hf writes meshyard's GPT .*this checkpoint's model is"):
+        export_hugging_face(ref, tmp_path / "hf", report=lambda message: None)
+    assert not (tmp_path / "hf").exists()
