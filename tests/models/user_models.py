@@ -7,6 +7,10 @@
   pipeline parallelism (it traces the forward) must refuse.
 - ``hf_gpt2`` and ``hf_llama``: Hugging Face ``transformers`` models built from a tiny
   config (random init, no download); they return a ``ModelOutput`` with ``.logits``.
+- ``hf_opt`` (q_proj/k_proj/v_proj/out_proj, fc1/fc2, learned positions, tied head; its
+  default dropout 0.1 unless ``dropout`` says otherwise) and ``hf_neox`` (a fused
+  query_key_value laid out per head, parallel residual): Hugging Face models whose
+  configs publish their own tensor- and pipeline-parallel plans (NeoX) or none (OPT).
 - ``broken_forward``: raises a ValueError in its forward (from a helper function), on
   every rank or only on ``rank``: how a failing worker is reported.
 
@@ -138,6 +142,27 @@ def hf_llama(vocab_size: int, context_length: int, n_layer: int = 4) -> nn.Modul
                          bos_token_id=0, eos_token_id=0, use_cache=False,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
+
+
+def hf_opt(vocab_size: int, context_length: int, n_layer: int = 2, dropout: float = 0.1) -> nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=vocab_size, hidden_size=32, ffn_dim=64, num_hidden_layers=n_layer,
+                       num_attention_heads=4, max_position_embeddings=context_length, word_embed_proj_dim=32,
+                       dropout=dropout, pad_token_id=1, bos_token_id=0, eos_token_id=0, use_cache=False)
+    return OPTForCausalLM(config)
+
+
+def hf_neox(vocab_size: int, context_length: int, n_layer: int = 2, tp_style: str = "") -> nn.Module:
+    """``tp_style``: another style for query_key_value in the config's tensor-parallel plan."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                           num_attention_heads=4, max_position_embeddings=context_length, bos_token_id=0,
+                           eos_token_id=0, use_cache=False)
+    if tp_style:
+        config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.attention.query_key_value": tp_style}
+    return GPTNeoXForCausalLM(config)
 
 
 def _check_batch(x: torch.Tensor) -> torch.Tensor:

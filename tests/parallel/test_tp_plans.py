@@ -39,9 +39,9 @@ def _meta(build, *args, **kwargs) -> nn.Module:
 @pytest.mark.parametrize("build, family, attention, fused", [
     (nanogpt, "GPT-2-style attention", "transformer.h.1.attn", "transformer.h.1.attn.c_attn"),
     (hf_gpt2, "GPT-2-style attention", "transformer.h.1.attn", "transformer.h.1.attn.c_attn"),
-    (hf_llama, "Llama-style attention", "model.layers.1.self_attn", None),
+    (hf_llama, "the Hugging Face plan of LlamaForCausalLM", "model.layers.1.self_attn", None),  # its config's
 ])
-def test_built_in_plans_recognise_each_family_by_structure(build, family, attention, fused):
+def test_each_family_gets_a_plan_built_in_or_its_own(build, family, attention, fused):
     model = _meta(build, 64, 16, n_layer=2)
     plan = resolve_plan(model, {}, 2)
     assert family in plan.source and attention in plan.attention and plan.output_head == "lm_head"

@@ -12,7 +12,7 @@ from meshyard.cli import main
 from meshyard.validate import load_and_validate
 from meshyard.config.sections import PrecisionConfig, RunConfig
 from meshyard.verify import VerifyReport, tolerance_for
-from meshyard.verify.compare import _for_comparison, compare_runs, describe_layout, single_process
+from meshyard.verify.compare import _for_comparison, compare_runs, describe_layout, dropout_notes, single_process
 from tests.conftest import tiny_config
 from tests.inprocess import fit_on_ranks
 
@@ -36,6 +36,7 @@ USERS_LAYOUTS = {
     "nanogpt-fsdp": ("nanogpt", ["--parallel.strategy=fsdp"]),
     "hf_llama-tp2": ("hf_llama", ["--parallel.strategy=none", "--parallel.tp=2"]),
     "hf_gpt2-pp2": ("hf_gpt2", ["--parallel.strategy=none", "--parallel.pp=2"]),
+    "hf_opt-fsdp": ("hf_opt", ["--parallel.strategy=fsdp"]),  # its default dropout 0.1 left on
 }
 USERS_STEPS = 2
 
@@ -55,7 +56,8 @@ def users_reports(tmp_path_factory) -> dict[str, VerifyReport]:
         config, checked = load_and_validate(None, [*TINY, f"--model.name={USER_MODELS}:{model}", *layout,
                                                    "--run.nproc=2", f"--data.cache_dir={root / 'cache'}"])
         precision, tolerance = tolerance_for(config.run, config.precision)
-        reports[case] = VerifyReport(precision, tolerance, describe_layout(config.parallel, 2, checked.dims))
+        reports[case] = VerifyReport(precision, tolerance, describe_layout(config.parallel, 2, checked.dims),
+                                     notes=dropout_notes(config))
         single = _for_comparison(single_process(config, checked.batch.micro_batch), USERS_STEPS, root / case / "single")
         meshyard.run(single, nproc=1, resume="none")
         layout_runs.append(_for_comparison(config, USERS_STEPS, root / case / "layout"))
@@ -74,6 +76,19 @@ def test_users_models_pass(users_reports, case):
     report = users_reports[case]
     assert report.passed and not report.missing, report.format()
     assert len(report.steps) == USERS_STEPS and "PASS" in report.format()
+
+
+def test_a_model_s_own_dropout_is_switched_off_and_said_so(users_reports):
+    """OPT applies dropout 0.1 (rates its layers hold, not nn.Dropout modules): masks drawn
+    per layout would fail the comparison with nothing saying why. Switched off in both
+    runs, it passes, and the report names what was switched off."""
+    pytest.importorskip("transformers")
+    report = users_reports["hf_opt-fsdp"]
+    text = report.format()
+    assert report.passed, text
+    assert ("dropout switched off in both runs: model.decoder.dropout = 0.1, model.decoder.layers.*.dropout = 0.1"
+            in text)
+    assert not users_reports["hf_gpt2-pp2"].notes  # no dropout on: nothing said
 
 
 def test_mis_split_qkv_fails(tmp_path, capsys):

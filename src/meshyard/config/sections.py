@@ -36,6 +36,9 @@ class ModelConfig:
     vocab_size: int = option(0, "Vocabulary size; 0 takes it from the data's tokenizer.")
     dropout: float = option(0.0, "Dropout probability in attention and MLP outputs.")
     tie_embeddings: bool = option(True, "Share the token embedding with the output head (GPT-2 style).")
+    no_dropout: bool = option(
+        False, "Switch off every dropout of the built model, a custom model's own rates included (nn.Dropout "
+        "modules, dropout attributes of its modules and of its Hugging Face config); meshyard verify sets it.")
     options: dict = option({}, "Extra keyword arguments passed to a custom builder function.")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from meshyard.config.sections import ModelConfig
+from meshyard.models.dropout import switch_off_dropout
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
 from meshyard.models.mlp import MLP
 from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
@@ -31,7 +32,15 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
 
     A custom builder gets the keywords it declares among ``vocab_size``,
     ``context_length`` and ``config`` (the ``ModelConfig``), plus ``model.options``.
+    With ``model.no_dropout`` every dropout rate of the built model is set to 0.
     """
+    model = _build(cfg, vocab_size, seq_len)
+    if cfg.no_dropout:
+        switch_off_dropout(model)
+    return model
+
+
+def _build(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
     vocab = cfg.vocab_size or vocab_size
     if is_custom_reference(cfg.name):
         builder = load_callable(cfg.name)

@@ -8,7 +8,10 @@ to cut, chosen by the model:
 - meshyard's GPT (``tok_emb``, ``pos_emb``, ``blocks``, ``ln_f``, ``lm_head``) is cut by
   hand into ``GPTStage`` modules, which also take tensor parallelism;
 - any other model is traced whole and cut before its blocks (``pipeline_trace``), so its
-  own forward is kept; the blocks are the units FSDP shards (``units.find_blocks``).
+  own forward is kept; the blocks are the layers a Hugging Face model's
+  ``config.base_model_pp_plan`` names (``hf_plans``), else the units FSDP shards
+  (``units.find_blocks``). What one stage sends the next is made contiguous (gloo and
+  NCCL send nothing else).
 
 Either way parameters keep their names (``blocks.5`` stays ``blocks.5``;
 ``transformer.h.5`` stays ``transformer.h.5``), so a checkpoint written under pipelining
@@ -42,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from meshyard.config.sections import ParallelConfig
 from meshyard.parallel.data_parallel import unwrap
+from meshyard.parallel.hf_plans import hf_layer_list
 from meshyard.parallel.pipeline_trace import PREFIX, PipelineTraceError, trace_stages
 from meshyard.parallel.units import find_blocks
 
@@ -182,8 +186,11 @@ class PipelinedModel(nn.Module):
         """The torch pipeline stage that runs ``module`` as stage ``index``: a traced stage
         learns from the pipeline graph which stages it receives from and sends to."""
         if self._pipe_info is None:
-            return PipelineStage(module, index, self.n_stages, device, group=group)
-        return build_stage(module, index, self._pipe_info, device, group)
+            stage = PipelineStage(module, index, self.n_stages, device, group=group)
+        else:
+            stage = build_stage(module, index, self._pipe_info, device, group)
+        send_contiguous(stage)
+        return stage
 
     def train(self, mode: bool = True) -> "PipelinedModel":
         super().train(mode)
@@ -207,6 +214,24 @@ class PipelinedModel(nn.Module):
     def tied(self) -> bool:
         """Whether the full model shares a weight between stages (on any of the pipeline ranks)."""
         return self._ties.anywhere
+
+
+def send_contiguous(stage: _PipelineStageBase) -> None:
+    """Make every tensor ``stage`` sends (its outputs forward, its inputs' gradients
+    backward) contiguous. torch sends them as the stage's forward left them, and gloo
+    and NCCL refuse a view such as the transposed hidden states a Hugging Face OPT layer
+    returns. Wraps the stage's two send-op builders, which every schedule calls."""
+    def contiguous(build: Callable[[int], list[dist.P2POp]]) -> Callable[[int], list[dist.P2POp]]:
+        def ops(chunk_id: int) -> list[dist.P2POp]:
+            built = build(chunk_id)
+            for op in built:
+                if not op.tensor.is_contiguous():
+                    op.tensor = op.tensor.contiguous()
+            return built
+        return ops
+
+    stage.get_fwd_send_ops = contiguous(stage.get_fwd_send_ops)
+    stage.get_bwd_send_ops = contiguous(stage.get_bwd_send_ops)
 
 
 def _graft(target: nn.Module, sources: list[nn.Module]) -> None:
@@ -267,9 +292,15 @@ def example_micro_batch(micro_batch: int, microbatches: int, seq_len: int) -> to
 def stage_starts(model: nn.Module, n_stages: int, split: list[int] | None,
                  unit_names: Sequence[str] = ()) -> list[str]:
     """Qualified names of the first block of every stage after the first (where a traced
-    model is cut): blocks balanced by count, or as ``split`` says."""
-    names = {id(module): name for name, module in model.named_modules()}
-    blocks = [names[id(block)] for block in find_blocks(model, unit_names)]
+    model is cut): blocks balanced by count, or as ``split`` says. The blocks are the
+    modules of the classes ``unit_names``, else the layers a Hugging Face model's
+    ``config.base_model_pp_plan`` names, else its repeated block class."""
+    layers = None if unit_names else hf_layer_list(model)
+    if layers is not None:
+        blocks = [f"{layers}.{index}" for index in range(len(model.get_submodule(layers)))]
+    else:
+        names = {id(module): name for name, module in model.named_modules()}
+        blocks = [names[id(block)] for block in find_blocks(model, unit_names)]
     if not blocks:
         raise PipelineSplitError(
             f"parallel.pp cuts a model before its repeated blocks, and {type(model).__name__} has none (no module "

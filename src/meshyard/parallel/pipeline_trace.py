@@ -87,6 +87,7 @@ def trace_stages(model: nn.Module, cut_before: list[str], keep: Collection[int],
             "with parallel.fsdp_units if another module repeats, or train it without pipeline parallelism")
     _check_inputs(pipe, model)
     _chain(pipe)
+    _contiguous_boundaries(pipe)
     non_persistent = {_join(path, name) for path, module in model.named_modules()
                       for name in module._non_persistent_buffers_set}
     held, modules = [], {}
@@ -295,6 +296,49 @@ def _chain(pipe: Pipe) -> None:
         if node.target is operator.getitem and not node.users:
             root.erase_node(node)
     pipe.split_gm.recompile()
+
+
+def _contiguous_boundaries(pipe: Pipe) -> None:
+    """Make what each stage sends contiguous, and what the next one receives shaped so.
+    torch allocates a stage's receive buffers with the strides the trace recorded for the
+    values, and gloo and NCCL transfer contiguous tensors only: a Hugging Face OPT layer
+    returns its hidden states as a transposed view, whose strides no buffer can have."""
+    calls = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
+    for call in calls[:-1]:  # the last stage's logits go to the loss, not to a stage
+        stage = pipe.split_gm.get_submodule(str(call.target))
+        output = next(node for node in stage.graph.nodes if node.op == "output")
+        with stage.graph.inserting_before(output):
+            output.args = fx.node.map_arg(output.args, lambda value: _made_contiguous(stage.graph, value))
+        stage.recompile()
+    for call in calls[1:]:
+        stage = pipe.split_gm.get_submodule(str(call.target))
+        for node in stage.graph.nodes:
+            if node.op == "placeholder" and not _is_contiguous(node):
+                node.meta["val"] = _contiguous_like(node.meta["val"])
+
+
+def _is_contiguous(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.is_contiguous()
+
+
+def _contiguous_like(value: torch.Tensor) -> torch.Tensor:
+    """An example value shaped as ``value``, with contiguous strides."""
+    fake_mode = getattr(value, "fake_mode", None)
+    if fake_mode is None:
+        return value.clone(memory_format=torch.contiguous_format)
+    with fake_mode:
+        return value.clone(memory_format=torch.contiguous_format)
+
+
+def _made_contiguous(graph: fx.Graph, value: fx.Node) -> fx.Node:
+    """``value``, or a contiguous copy of it where the trace recorded other strides."""
+    if _is_contiguous(value):
+        return value
+    node = graph.call_function(torch.ops.aten.clone.default, (value,),
+                               {"memory_format": torch.contiguous_format})
+    node.meta = {**value.meta, "val": _contiguous_like(value.meta["val"])}
+    return node
 
 
 def _take_inputs(stage: fx.GraphModule, old: list[fx.Node], wanted: list[fx.Node],

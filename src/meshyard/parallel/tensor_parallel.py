@@ -16,7 +16,8 @@ gathered for each forward, like an FSDP unit, and each rank multiplies only by i
 heads' rows (``FusedQKVParallel``); docs/parallelism.md discusses the trade-off.
 
 Other models get a plan from ``tp_plans`` (their own ``tensor_parallel_plan(tp_mesh)``,
-the config's ``parallel.tp_plan``, or a built-in plan recognised by structure), applied
+the config's ``parallel.tp_plan``, the plan a Hugging Face config publishes, or a
+built-in plan recognised by structure), applied
 by ``apply_plan`` with torch's styles and three of meshyard's: ``FusedQKVParallel``
 (any fused projection, nn.Linear or Hugging Face's Conv1D), ``Conv1DColwiseParallel`` /
 ``Conv1DRowwiseParallel`` (torch's styles handle nn.Linear and nn.Embedding only), and
@@ -146,15 +147,21 @@ class Conv1DColwiseParallel(ParallelStyle):
 
 class Conv1DRowwiseParallel(ParallelStyle):
     """torch's RowwiseParallel for Hugging Face's Conv1D (weight split by input row).
-    Input: this rank's slice of the features (a colwise module's output); output: the
-    full sum, as a plain tensor."""
+    Input: this rank's slice of the features (a colwise module's output), or with
+    ``input_layout = Replicate()`` all of them, cut here; output: the full sum, as a
+    plain tensor."""
+
+    def __init__(self, input_layout: Placement = Shard(-1)) -> None:
+        super().__init__()
+        self.input_layout = input_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_params(module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (Shard(-1),), run_check=False)
+                x = DTensor.from_local(x, device_mesh, (self.input_layout,), run_check=False)
+            x = x.redistribute(placements=(Shard(-1),))
             out = _linear(module, x, module.weight, module.bias)
             return out.redistribute(placements=(Replicate(),)).to_local()
 
@@ -195,7 +202,8 @@ def _style(module: nn.Module, split: Split, logits_split: bool) -> ParallelStyle
     if split.style == "rowwise":
         if embedding:  # vocabulary split: each rank looks up its rows, the sum is the embedding
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        return Conv1DRowwiseParallel() if is_conv1d(module) else RowwiseParallel()
+        given: Placement = Replicate() if split.whole_input else Shard(-1)
+        return Conv1DRowwiseParallel(given) if is_conv1d(module) else RowwiseParallel(input_layouts=given)
     if split.parts > 1:
         return FusedQKVParallel(split.parts)
     output: Placement = Replicate() if split.gather or embedding else Shard(-1)
@@ -291,7 +299,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
 
     The plan, first match wins: the model's own ``tensor_parallel_plan(tp_mesh)`` (or
     meshyard's GPT's), then ``plan`` (the config's ``parallel.tp_plan``: module-name
-    patterns to styles), then a built-in plan recognised by structure (``tp_plans``). A
+    patterns to styles), then a Hugging Face model's ``config.base_model_tp_plan``
+    (``hf_plans``), then a built-in plan recognised by structure (``tp_plans``). A
     model no plan fits, or one whose counts tp does not divide, raises ``TPPlanError``.
 
     With ``loss_parallel`` an output head split by vocabulary returns logits split by

@@ -6,7 +6,7 @@ the plan it resolves to (``Split`` per module, ``TPPlan``), which ``tp_plans`` b
 The head rule. After a split, a rank's attention holds 1/tp of the heads, and a forward
 that reads its head count or width from attributes must read the per-rank values. An
 attention module is the parent of a colwise projection with a rowwise sibling that
-holds a head count (an attribute named in ``HEAD_COUNTS``) or a ``head_dim``. Each
+holds a head count (an attribute named in ``HEAD_COUNTS``) or a head width (``HEAD_WIDTHS``). Each
 integer instance attribute of it named in ``HEAD_COUNTS`` or ``WIDTHS`` is divided by
 tp (``per_rank_attributes``): nanoGPT's ``n_head`` and ``n_embd``; Hugging Face GPT-2's
 ``num_heads``, ``embed_dim`` and ``split_size``; Llama reads only ``head_dim`` and -1
@@ -29,12 +29,15 @@ from torch import nn
 @dataclass(frozen=True)
 class Split:
     """How one module is split: ``style`` ('colwise', 'rowwise' or 'replicate'), the
-    equal blocks of a fused colwise projection (``parts``), and whether a colwise
-    module returns its full output (``gather``: no rowwise sibling takes its slice)."""
+    equal blocks of a fused colwise projection (``parts``), whether a colwise module
+    returns its full output (``gather``: no rowwise sibling takes its slice), and
+    whether a rowwise module is given the full input and cuts its rank's slice itself
+    (``whole_input``: no colwise module before it)."""
 
     style: str
     parts: int = 1
     gather: bool = False
+    whole_input: bool = False
 
 
 @dataclass
@@ -71,9 +74,14 @@ def per_rank_attributes(module: nn.Module, tp: int) -> dict[str, int]:
             if (value := int_attribute(module, name)) is not None}
 
 
+HEAD_WIDTHS = ("head_dim", "head_size")
+"""Attention attributes holding the width of one head (Llama's ``head_dim``, GPT-NeoX's
+``head_size``): unchanged by tp."""
+
+
 def holds_heads(module: nn.Module) -> bool:
-    """Whether ``module`` reads like attention: it has a head count or a ``head_dim``."""
-    return any(int_attribute(module, name) is not None for name in (*HEAD_COUNTS, "head_dim"))
+    """Whether ``module`` reads like attention: it has a head count or a head width."""
+    return any(int_attribute(module, name) is not None for name in (*HEAD_COUNTS, *HEAD_WIDTHS))
 
 
 def is_conv1d(module: nn.Module) -> bool:

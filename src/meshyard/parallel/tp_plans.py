@@ -10,11 +10,15 @@ every rank. First match wins:
 2. ``parallel.tp_plan`` from the config: module-name patterns (``fnmatch`` globs over
    qualified names, e.g. ``"transformer.h.*.attn.c_attn"``; a module takes the first
    pattern it matches) mapped to a style;
-3. built-in plans, recognised by structure wherever they sit: GPT-2-style attention (fused ``c_attn`` + ``c_proj``)
-   and MLPs (``c_fc`` + ``c_proj``), nn.Linear or Hugging Face's Conv1D, and
+3. the plan a Hugging Face model publishes (``config.base_model_tp_plan`` and its
+   class's head plan, read by ``hf_plans``), its styles mapped to meshyard's;
+4. built-in plans, recognised by structure wherever they sit: GPT-2-style attention (fused ``c_attn`` + ``c_proj``)
+   and MLPs (``c_fc`` + ``c_proj``), nn.Linear or Hugging Face's Conv1D,
    Llama/Mistral-style attention (``q_proj``, ``k_proj``, ``v_proj`` + ``o_proj``) and
-   MLPs (``gate_proj``, ``up_proj`` + ``down_proj``). Their token embedding and output
-   head are split by vocabulary when tp divides it, else replicated.
+   MLPs (``gate_proj``, ``up_proj`` + ``down_proj``), OPT/BART-style attention (``q_proj``,
+   ``k_proj``, ``v_proj`` + ``out_proj``) and MLPs (``fc1`` + ``fc2``).
+Plans 3 and 4 split the token embedding and output head by vocabulary when tp divides
+it, else replicate them.
 
 Styles. ``colwise`` splits a module's output features: each rank keeps its slice, which
 the ``rowwise`` module beside it (same parent) takes as input and sums back to the full
@@ -43,9 +47,10 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from meshyard.config.sections import ParallelConfig
-from meshyard.parallel.tp_modules import (HEAD_COUNTS, KV_HEAD_COUNTS, Split, TPPlan, WIDTHS, first_int, holds_heads,
-                                             in_features, input_embedding_name, int_attribute, is_projection,
-                                             out_features, output_head_name, pattern_of, tied_groups)
+from meshyard.parallel.hf_plans import hf_splits
+from meshyard.parallel.tp_modules import (HEAD_COUNTS, HEAD_WIDTHS, KV_HEAD_COUNTS, Split, TPPlan, WIDTHS, first_int,
+                                          holds_heads, in_features, input_embedding_name, int_attribute,
+                                          is_projection, out_features, output_head_name, pattern_of, tied_groups)
 from meshyard.parallel.tp_trial import trial_problems
 
 
@@ -71,6 +76,8 @@ _BUILTIN = (
     _Pattern("GPT-2", ("c_fc",), "c_proj"),
     _Pattern("Llama", ("q_proj", "k_proj", "v_proj"), "o_proj", attention=True),
     _Pattern("Llama", ("up_proj", "gate_proj"), "down_proj", optional=("gate_proj",)),
+    _Pattern("OPT/BART", ("q_proj", "k_proj", "v_proj"), "out_proj", attention=True),
+    _Pattern("OPT/BART", ("fc1",), "fc2"),
 )
 
 
@@ -85,10 +92,34 @@ def is_meshyard_gpt(model: nn.Module) -> bool:
 
 
 def resolve_plan(model: nn.Module, patterns: dict[str, str], tp: int) -> TPPlan | None:
-    """The config's plan when ``patterns`` is not empty, else the built-in plan the
-    model's structure matches; None when there is none. (Not asked for models with a
-    plan of their own: ``tensor_parallel_plan`` or meshyard's GPT.)"""
-    return config_plan(model, patterns) if patterns else builtin_plan(model, tp)
+    """The config's plan when ``patterns`` is not empty, else the plan a Hugging Face
+    model publishes, else the built-in plan the model's structure matches; None when
+    there is none. (Not asked for models with a plan of their own: ``tensor_parallel_plan``
+    or meshyard's GPT.)"""
+    if patterns:
+        return config_plan(model, patterns)
+    return hf_plan(model, tp) or builtin_plan(model, tp)
+
+
+def hf_plan(model: nn.Module, tp: int) -> TPPlan | None:
+    """A Hugging Face model's own plan (``hf_plans``): its styles as splits, the attention
+    modules the head rule adjusts (parents of colwise projections that hold heads), the
+    vocabulary split as in the built-in plans; None when it publishes none."""
+    found = hf_splits(model)
+    if found is None:
+        return None
+    plan = TPPlan(found.source, notes=found.notes, problems=found.problems)
+    head_name = output_head_name(model)
+    head = model.get_submodule(head_name) if head_name is not None else None
+    vocabulary = {head_name, input_embedding_name(model, head)} if isinstance(head, nn.Linear) else set()
+    plan.splits = {name: split for name, split in found.splits.items() if name not in vocabulary}
+    for name, split in plan.splits.items():
+        parent = name.rpartition(".")[0]
+        if split.style == "colwise" and not split.gather and parent not in plan.attention and holds_heads(
+                model.get_submodule(parent)):
+            plan.attention.append(parent)
+    _split_vocabulary(model, plan, tp)
+    return plan
 
 
 def config_plan(model: nn.Module, patterns: dict[str, str]) -> TPPlan:
@@ -238,8 +269,9 @@ def tp_problems(model: nn.Module, cfg: ParallelConfig, tp: int) -> list[str]:
 def no_plan_problems(model: nn.Module, tp: int) -> list[str]:
     """The message for a model no plan applies to: the three ways to provide one."""
     return [f"parallel.tp = {tp}: meshyard has no tensor-parallel plan for {type(model).__name__} (it has no "
-            "GPT-2-style c_attn/c_proj/c_fc or Llama-style q_proj/k_proj/v_proj/o_proj, "
-            "gate_proj/up_proj/down_proj modules); give the model a method tensor_parallel_plan(tp_mesh) returning "
+            "Hugging Face plan in its config, no GPT-2-style c_attn/c_proj/c_fc, Llama-style "
+            "q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj or OPT-style out_proj, fc1/fc2 modules); "
+            "give the model a method tensor_parallel_plan(tp_mesh) returning "
             "{module name: ParallelStyle}, or add a [parallel.tp_plan] table mapping module-name patterns to "
             "'colwise', 'rowwise', 'sequence_parallel' or 'replicate' (e.g. \"blocks.*.attn.qkv\" = \"colwise\"), "
             "or set parallel.tp = 1"]
@@ -299,13 +331,16 @@ def _split_problem(name: str, module: nn.Module, split: Split, tp: int) -> str |
 
 def _head_problems(model: nn.Module, name: str, plan: TPPlan, tp: int) -> list[str]:
     """The head counts and widths the head rule divides; where the module names no head
-    count, the heads each colwise projection holds (``head_dim`` wide each)."""
+    count, those of its Hugging Face config, else the heads each colwise projection
+    holds (``head_dim`` wide each)."""
     module = model.get_submodule(name)
     if not holds_heads(module):
         return [f"{pattern_of(name)}: meshyard cannot tell how many heads it has (no attribute named as in "
-                f"{', '.join(HEAD_COUNTS[:4])} or head_dim); give the model a tensor_parallel_plan(tp_mesh)"]
+                f"{', '.join(HEAD_COUNTS[:4])}, head_dim or head_size); give the model a tensor_parallel_plan(tp_mesh)"]
     counts = {attr: value for attr in (*HEAD_COUNTS, *WIDTHS) if (value := int_attribute(module, attr)) is not None}
-    head_dim = int_attribute(module, "head_dim")
+    head_dim = first_int(module, HEAD_WIDTHS)
+    if not counts:
+        counts = _config_heads(module)
     if not counts and head_dim:
         projections = [(child, split) for child, split in plan.splits.items()
                        if split.style == "colwise" and child.rpartition(".")[0] == name]
@@ -317,6 +352,17 @@ def _head_problems(model: nn.Module, name: str, plan: TPPlan, tp: int) -> list[s
         return []
     return [f"{pattern_of(name)}: {', '.join(failed)} not divisible by parallel.tp = {tp}; each rank must hold "
             "whole heads (with grouped-query attention the key/value heads too): use a tp that divides them"]
+
+
+def _config_heads(module: nn.Module) -> dict[str, int]:
+    """The head counts of a Hugging Face attention module's ``config`` (GPT-NeoX's holds
+    no count of its own, and its fused projection's width is not a count of heads)."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return {}
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    return {"query heads": heads, **({"key/value heads": kv_heads} if isinstance(kv_heads, int) else {})}
 
 
 def _tie_problems(model: nn.Module, plan: TPPlan) -> list[str]:

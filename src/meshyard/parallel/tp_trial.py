@@ -96,7 +96,7 @@ def _stand_in(name: str, module: nn.Module, split: Split, tp: int) -> Callable[.
 
         return colwise
     if split.style == "rowwise" and not isinstance(module, nn.Embedding):
-        local, width = (in_features(module) or 0) // tp, out_features(module) or 0
+        local, width = (in_features(module) or 0) // (1 if split.whole_input else tp), out_features(module) or 0
 
         def rowwise(x: torch.Tensor) -> torch.Tensor:
             if x.shape[-1] != local:

@@ -3,8 +3,10 @@
 Both runs get the same seed, data order and global batch, so they see the same samples
 in every step; only the layout differs. Compared: each step's loss and gradient norm
 (from ``metrics.jsonl``) and, at the end, every parameter (from the final checkpoint,
-read back as full tensors). Dropout is switched off in both runs, since its masks depend
-on the layout's random streams and would differ by design, not by error.
+read back as full tensors). Dropout is switched off in both runs (``model.no_dropout``,
+which reaches a custom model's own rates too), since its masks depend on the layout's
+random streams and would differ by design, not by error; the report names what was on
+(``dropout_notes``), so a user whose model trains with dropout knows what was compared.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class VerifyReport:
     worst_param: str = ""
     missing: list[str] = field(default_factory=list)
     run_dirs: tuple[str, str] = ("", "")
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -80,6 +83,7 @@ class VerifyReport:
                      + (f" ({self.worst_param})" if self.worst_param else ""))
         if self.missing:
             lines.append(f"parameters missing from one of the checkpoints: {', '.join(self.missing)}")
+        lines += self.notes
         verdict = "PASS" if self.passed else "FAIL"
         lines.append(f"{verdict}: thresholds loss rel <= {t.loss_rel:g}, grad norm rel <= {t.grad_norm_rel:g}, "
                      f"parameters abs <= {t.param_abs:g}")
@@ -96,11 +100,33 @@ def describe_layout(p: ParallelConfig, nproc: int, dims: ParallelDims) -> str:
     return ", ".join(parts)
 
 
+def dropout_notes(cfg: Config) -> list[str]:
+    """A line for the report naming the dropout the model applies in training, which the
+    comparison switches off; [] when it applies none (or cannot be built on the meta
+    device here, where the runs will say what is wrong)."""
+    from meshyard.data.corpus import BYTE_VOCAB
+    from meshyard.models.dropout import active_dropout
+    from meshyard.models.registry import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(dataclasses.replace(cfg.model, no_dropout=False),
+                                cfg.model.vocab_size or cfg.data.vocab_size or BYTE_VOCAB, cfg.data.seq_len)
+    except Exception:  # noqa: BLE001 - a builder's failure is the runs' to report
+        return []
+    found = active_dropout(model)
+    if not found:
+        return []
+    return [f"dropout switched off in both runs: {', '.join(found)} (its masks depend on each layout's random "
+            "streams, so with it on the losses differ by design; set model.no_dropout = true to train so)"]
+
+
 def _for_comparison(cfg: Config, steps: int, run_dir: Path) -> Config:
-    """Same job, ``steps`` long, dropout off, a final synchronous checkpoint, own run dir."""
+    """Same job, ``steps`` long, dropout off (the model's own rates too), a final
+    synchronous checkpoint, own run dir."""
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, dropout=0.0),
+        model=dataclasses.replace(cfg.model, dropout=0.0, no_dropout=True),
         train=dataclasses.replace(cfg.train, steps=steps, eval_every=0),
         checkpoint=dataclasses.replace(cfg.checkpoint, enabled=True, save_final=True, interval=0,
                                        interval_minutes=0.0, async_save=False, dir=""),
@@ -158,7 +184,8 @@ def verify_layout(cfg: Config, nproc: int, steps: int = 5, workdir: str | Path |
     checked = validate(layout_cfg, nproc)
     batch = checked.batch
     precision, tolerance = tolerance_for(cfg.run, cfg.precision)
-    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg.parallel, nproc, checked.dims))
+    report = VerifyReport(precision, tolerance, describe_layout(layout_cfg.parallel, nproc, checked.dims),
+                          notes=dropout_notes(cfg))
     with tempfile.TemporaryDirectory(prefix="meshyard-verify-") as scratch:
         root = Path(workdir) if workdir else Path(scratch)
         single_cfg = _for_comparison(single_process(cfg, batch.micro_batch), steps, root / "single")
