@@ -11,6 +11,7 @@ import pytest
 from meshyard.cli import main
 from meshyard.config.load import load_config
 from meshyard.config.sections import Config
+from meshyard.data.corpus import load_corpus
 from meshyard.metrics.records import read_metrics
 from meshyard.plugins import is_custom_reference, load_callable
 from meshyard.validate import load_and_validate
@@ -41,10 +42,20 @@ def tiny_overrides(path: Path, tmp_path: Path) -> list[str]:
                  f"--run.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}"]
     config = load_config(path)
     if not is_custom_reference(config.data.source):
-        overrides += ["--data.source=random", "--data.random_tokens=65536"]
+        overrides += ["--data.source=random", "--data.random_tokens=65536", "--data.tokenizer=bytes"]
     if not is_custom_reference(config.model.name):
         overrides.append("--model.d_model=48")  # divisible by every preset's heads (2, 4, 6, 8, 12)
     return overrides
+
+
+def test_the_text_example_tokenizes_its_own_files(tmp_path, monkeypatch):
+    """The example for your own text trains its BPE on the files it names (the training
+    itself runs on random tokens above, as every example's does)."""
+    monkeypatch.chdir(REPO)
+    config = load_config(REPO / "examples" / "text_bpe.toml", [f"--data.cache_dir={tmp_path}"])
+    corpus = load_corpus(config.data)
+    assert 256 < corpus.vocab_size <= 2048 and corpus.tokenizer_file.parent == tmp_path
+    assert len(corpus.tokens) > 200 * config.data.seq_len
 
 
 # Launched through ``meshyard run`` as a user runs it: its model and dataset are files named

@@ -287,7 +287,7 @@ def test_the_length_rule_sees_a_long_function(tmp_path):
 # spelled in run_dir.py alone. Files are found anywhere in a string; folders as the whole
 # string or a segment of a path, since words such as "checkpoints" are also prose.
 RUN_DIR_FILES = ("config.toml", "run.json", "summary.json", "metrics.jsonl", "restarts.jsonl", "preemption.json",
-                 "agent.log", "report.html", "prometheus.json")
+                 "agent.log", "report.html", "prometheus.json", "tokenizer.json")
 RUN_DIR_FOLDERS = ("logs", "failures", "hang", "checkpoints")  # not "tensorboard": also a package's name
 _FOLDER = re.compile(rf"(?:^|/)(?:{'|'.join(RUN_DIR_FOLDERS)})(?:/|$)")
 

@@ -3,6 +3,7 @@ a few seconds (registered as a plugin by ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,17 @@ def custom_model_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_file.write_text(CUSTOM_MODEL)
     return train(folder, f"--model.name={model_file}:build", "--data.source=random",
                  "--data.vocab_size=97", "--data.random_tokens=8192", "--run.name=custom")
+
+
+@pytest.fixture(scope="session")
+def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-tiny trained on a text file and a .jsonl file through a byte-level BPE of at most
+    300 tokens trained on them (``data.tokenizer = "bpe:300"``), its vocabulary padded to a
+    multiple of 64."""
+    folder = tmp_path_factory.mktemp("bpe")
+    (folder / "corpus.txt").write_text(CORPUS_TEXT)
+    (folder / "notes.jsonl").write_text("".join(json.dumps({"body": line}) + "\n"
+                                                for line in CORPUS_TEXT.splitlines() if line.strip()))
+    return train(folder, "--model.name=gpt-tiny", "--data.source=text", f"--data.paths=['{folder}/corpus.txt', "
+                 f"'{folder}/notes.jsonl']", "--data.tokenizer=bpe:300", "--data.text_field=body",
+                 "--model.pad_vocab_multiple=64", "--run.name=bpe")

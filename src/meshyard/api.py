@@ -92,7 +92,7 @@ def _corpus_problems(config: Config) -> list[str]:
     with fewer ids than the data (an index out of range on the first batch), a split
     without one global batch for its sampler."""
     try:
-        train, _, vocab_size, description = split_corpus(config.data)
+        train, _, vocab_size, description, _ = split_corpus(config.data)
     except DataSourceError as exc:
         return [str(exc)]
     problems = []

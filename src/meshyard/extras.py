@@ -30,6 +30,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "onnx": ("export", "onnx"),
     "onnxscript": ("export", "onnxscript"),
     "onnxruntime": ("export", "onnxruntime"),
+    "tokenizers": ("text", "tokenizers"),
 }
 
 

@@ -46,6 +46,10 @@ class RunDir:
     REPORT: ClassVar[str] = "report.html"  # meshyard doctor report
     PROMETHEUS: ClassVar[str] = "prometheus.json"  # where the Prometheus endpoint listens
     TENSORBOARD: ClassVar[str] = "tensorboard"
+    # The tokenizer the text was tokenized with (not for data.tokenizer = "bytes"), under the
+    # name Hugging Face gives it, so a run directory is itself a tokenizer folder; it is
+    # also the name looked for in a folder given as data.tokenizer.
+    TOKENIZER: ClassVar[str] = "tokenizer.json"
     CHECKPOINTS_FACT: ClassVar[str] = "checkpoints"  # the key of run.json naming the checkpoint folder
 
     def __post_init__(self) -> None:
@@ -95,6 +99,10 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / self.TENSORBOARD
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / self.TOKENIZER
 
     # Under logs/: what each rank and the elastic agent leave.
     @property

@@ -33,7 +33,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from meshyard.config.checks import field_problems, node_range
+from meshyard.config.checks import bpe_vocab, field_problems, node_range
 from meshyard.config.load import ConfigError, collect_config, did_you_mean
 from meshyard.config.sections import Config
 from meshyard.data.corpus import BYTE_VOCAB
@@ -288,8 +288,8 @@ def _builds_as_configured(name: str, options: dict) -> bool:
 
 def _build_on_meta(cfg: Config) -> nn.Module:
     """The configured model on the meta device. The data's vocabulary is not read here:
-    the configured one, else that of the byte-level sources (a layout asks nothing of
-    the vocabulary but that tp divides it)."""
-    vocab = cfg.model.vocab_size or cfg.data.vocab_size or BYTE_VOCAB
+    the configured one, else the size of a BPE to train, else that of the byte-level
+    sources (a layout asks nothing of the vocabulary but that tp divides it)."""
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size or max(0, bpe_vocab(cfg.data.tokenizer) or 0) or BYTE_VOCAB
     with torch.device("meta"):
         return build_model(cfg.model, vocab, cfg.data.seq_len)

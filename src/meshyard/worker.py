@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -38,6 +39,8 @@ from meshyard.train.build import BuiltRun, build_trainer
 
 def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None:
     RunDir(run_dir).config.write_text(config_to_toml(cfg))
+    if facts.get("tokenizer_file"):  # what 'meshyard serve' encodes and decodes this run's text with
+        shutil.copyfile(facts["tokenizer_file"], RunDir(run_dir).tokenizer)
     record = {
         "config_hash": config_hash(cfg),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -16,6 +16,11 @@ def test_defaults_have_no_problems():
 @pytest.mark.parametrize("override, fragment", [
     ("--model.dropout=1.0", "model.dropout = 1.0 must be in [0, 1)"),
     ("--data.seq_len=0", "data.seq_len = 0 must be at least 1"),
+    ("--data.tokenizer=bpe:100", "data.tokenizer = 'bpe:100' must be 'bpe:N' with a whole N from 257"),
+    ("--data.tokenizer=bpe:lots", "data.tokenizer = 'bpe:lots' must be 'bpe:N'"),
+    ("--data.tokenizer= ", "data.tokenizer is empty"),
+    ("--data.text_field=", "data.text_field is empty"),
+    ("--model.pad_vocab_multiple=-64", "model.pad_vocab_multiple = -64 must not be negative"),
     ("--train.eval_batches=0", "train.eval_batches = 0 must be at least 1"),
     ("--optim.betas=[0.9, 1.5]", "optim.betas = [0.9, 1.5] must be two numbers in [0, 1)"),
     ("--parallel.dp_shard=-1", "parallel.dp_shard = -1 must not be negative (0 derives it)"),
@@ -30,6 +35,12 @@ def test_defaults_have_no_problems():
 def test_each_section_is_checked(override, fragment):
     [problem] = field_problems(load_config(None, [override]))
     assert fragment in problem
+
+
+def test_a_tokenizer_applies_to_text_sources_only():
+    [problem] = field_problems(load_config(None, ["--data.source=random", "--data.tokenizer=bpe:512"]))
+    assert "data.tokenizer = 'bpe:512' tokenizes text, but data.source = 'random' reads none" in problem
+    assert field_problems(load_config(None, ["--data.source=stdlib", "--data.tokenizer=bpe:512"])) == []
 
 
 def test_problems_of_several_sections_are_listed_together():

@@ -105,11 +105,11 @@ def test_non_utf8_file_exits_2_naming_file_and_line(tmp_path, capsys, command):
 
 
 def test_config_recorded_before_a_key_was_retired_still_loads(tmp_path):
-    """Earlier runs recorded ``data.tokenizer = "byte"`` in config.toml; resuming them must work."""
+    """Earlier runs recorded ``data.tokenizer = "byte"`` in config.toml; resuming them must work,
+    as today's byte tokenizer."""
     cfg = load_config(write(tmp_path, "[data]\ntokenizer = 'byte'\nseq_len = 64\n"))
-    assert cfg.data.seq_len == 64
-    with pytest.raises(ConfigError, match="unknown key 'data.tokenizer'"):
-        load_config(write(tmp_path, "[data]\ntokenizer = 'bpe'\n"))
+    assert cfg.data.seq_len == 64 and cfg.data.tokenizer == "bytes"
+    assert load_config(write(tmp_path, "[data]\ntokenizer = 'bpe:512'\n")).data.tokenizer == "bpe:512"
 
 
 def test_one_section_is_read_alone_from_its_table_and_overrides(tmp_path):

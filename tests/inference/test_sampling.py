@@ -75,3 +75,13 @@ def test_wrong_shapes_are_refused():
         next_tokens(LOGITS, [Sampling()], [None, None])
     with pytest.raises(ValueError, match="logits"):
         next_tokens(LOGITS[0], [Sampling()], [None])
+
+
+def test_ids_of_a_padded_vocabulary_are_never_chosen():
+    padded = torch.cat([LOGITS, torch.full((2, 3), 50.0)], dim=1)  # ids 5-7: padding with the largest logits
+    greedy = next_tokens(padded, [Sampling(), Sampling()], [None, None], vocab_size=5)
+    assert greedy.tolist() == [1, 0]
+    hot = Sampling(temperature=5.0, seed=3)
+    generator = generator_for(hot)
+    drawn = [int(next_tokens(padded[:1], [hot], [generator], vocab_size=5)[0]) for _ in range(200)]
+    assert max(drawn) < 5 and len(set(drawn)) == 5

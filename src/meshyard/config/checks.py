@@ -55,7 +55,7 @@ def _failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
 
 def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
     sizes = [(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative (0 means default)")
-             for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size")]
+             for key in ("n_layer", "n_head", "d_model", "context_length", "vocab_size", "pad_vocab_multiple")]
     return _failed([
         *sizes,
         (not m.context_length or m.context_length >= d.seq_len,
@@ -79,6 +79,40 @@ def _data_problems(d: DataConfig) -> list[str]:
         (d.random_tokens > d.seq_len, f"data.random_tokens = {d.random_tokens} must exceed data.seq_len"),
         # The random source is drawn in memory, 8 bytes a token: 2^31 of them already take 16 GiB.
         (d.random_tokens <= 2 ** 31, f"data.random_tokens = {d.random_tokens} must be at most 2147483648"),
+        (bool(d.text_field.strip()), "data.text_field is empty; name the field of each .jsonl record holding its "
+         "text, e.g. 'text'"),
+    ]) + _tokenizer_problems(d)
+
+
+BYTES, BPE_PREFIX = "bytes", "bpe:"
+"""``data.tokenizer``'s byte-level value, and how a BPE to train begins ('bpe:N')."""
+SMALLEST_BPE = 257
+"""A byte-level BPE holds the 256 bytes and an end-of-text token, before any merge."""
+TEXT_SOURCES = ("text", "stdlib")
+"""The built-in sources that read text, and so use ``data.tokenizer``."""
+
+
+def bpe_vocab(tokenizer: str) -> int | None:
+    """N of ``'bpe:N'``; None for any other ``data.tokenizer`` (-1 when N is no whole number)."""
+    if not tokenizer.startswith(BPE_PREFIX):
+        return None
+    size = tokenizer[len(BPE_PREFIX):].strip()
+    return int(size) if size.isdigit() else -1
+
+
+def _tokenizer_problems(d: DataConfig) -> list[str]:
+    """'bytes', 'bpe:N' with room for the bytes and end-of-text, or a path (whether it holds a
+    tokenizer is the corpus's question, ``meshyard.data.tokenizer``); only for text sources."""
+    size = bpe_vocab(d.tokenizer)
+    return _failed([
+        (bool(d.tokenizer.strip()),
+         "data.tokenizer is empty; use 'bytes', 'bpe:N' or the path of a Hugging Face tokenizer"),
+        (size is None or SMALLEST_BPE <= size <= 2 ** 32,
+         f"data.tokenizer = '{d.tokenizer}' must be 'bpe:N' with a whole N from {SMALLEST_BPE} (the 256 bytes and "
+         "an end-of-text token) to 4294967296, e.g. 'bpe:8192'"),
+        (d.tokenizer == BYTES or d.source in TEXT_SOURCES,
+         f"data.tokenizer = '{d.tokenizer}' tokenizes text, but data.source = '{d.source}' reads none; use "
+         "data.source = 'text' (or leave data.tokenizer at 'bytes')"),
     ])
 
 

@@ -155,8 +155,9 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-# Keys that no longer exist, with the one value they could ever hold: config.toml files
-# recorded by earlier runs still load (and resume), any other value is an unknown key.
+# Values of earlier versions that are skipped on load, leaving the field at its default:
+# config.toml files recorded by earlier runs still load (and resume). ``data.tokenizer``
+# could only be "byte" then, which is today's default "bytes".
 RETIRED_KEYS: dict[str, Any] = {"data.tokenizer": "byte"}
 
 

@@ -34,6 +34,9 @@ class ModelConfig:
     d_model: int = option(0, "Hidden width; 0 keeps the preset's value.")
     context_length: int = option(0, "Longest sequence the model accepts; 0 uses data.seq_len.")
     vocab_size: int = option(0, "Vocabulary size; 0 takes it from the data's tokenizer.")
+    pad_vocab_multiple: int = option(
+        0, "Round the model's vocabulary up to a multiple of this (64 suits GPU matmuls and tensor parallelism); "
+        "the padded ids never occur in the data and are never sampled when serving. 0 keeps it as it is.")
     dropout: float = option(0.0, "Dropout probability in attention and MLP outputs.")
     tie_embeddings: bool = option(True, "Share the token embedding with the output head (GPT-2 style).")
     no_dropout: bool = option(
@@ -52,7 +55,15 @@ class DataConfig:
         "data.paths), 'tokens' (pre-tokenized .npy/.bin in data.paths), 'random', or your own "
         "dataset builder as 'module:function' / 'file.py:function'.",
     )
-    paths: list = option([], "Files or glob patterns for the 'text' and 'tokens' sources.")
+    paths: list = option([], "Files or glob patterns for the 'text' and 'tokens' sources: for 'text', .txt files "
+                         "(each a document) and .jsonl files (each record a document, its data.text_field).")
+    tokenizer: str = option(
+        "bytes", "How the 'text' and 'stdlib' sources become tokens: 'bytes' (one token per UTF-8 byte), "
+        "'bpe:N' (a byte-level BPE of N tokens trained once on the files, cached by their digest), or the path "
+        f"of a Hugging Face tokenizer (a {RunDir.TOKENIZER} file or a folder holding one). The run directory keeps "
+        f"a copy ({RunDir.TOKENIZER}), which 'meshyard serve' and exports encode and decode text with.",
+    )
+    text_field: str = option("text", "The field of each .jsonl record that holds its text.")
     token_dtype: Literal["uint8", "uint16", "uint32", "int32", "int64"] = option(
         "uint16", "Element type of raw .bin token files."
     )

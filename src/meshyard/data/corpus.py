@@ -1,43 +1,42 @@
 """Token corpora as flat, memory-mapped token arrays.
 
-Text is tokenized once into a cache file named by a hash of its inputs, written to a
-temporary name and renamed into place, so concurrent ranks or an interrupted build never
-leave a half-written cache behind that a later run would trust.
+Text is tokenized once into a cache file named by a digest of its inputs (``meshyard.data.cache``):
+the files as they are, the tokenizer and a format version. Byte-level text of files
+without ``.jsonl`` ones keeps the names caches had before subword tokenizers and
+``.jsonl`` documents came (a ``.jsonl`` file adds ``data.text_field`` to the digest), so
+those caches stay valid; a subword cache also names the digest of its tokenizer.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
+from meshyard.config.checks import BYTES
 from meshyard.config.sections import DataConfig
+from meshyard.data.cache import DataSourceError, default_cache_dir, dtype_suffix, files_fingerprint, token_dtype
+from meshyard.data.text import (BYTE_ENCODING, BYTE_VOCAB, DOCUMENT_SEPARATOR, JSONL_SUFFIX, Encoding,
+                                build_token_cache, documents, tokenizer_encoding)
+from meshyard.data.tokenizer import ResolvedTokenizer, resolve_tokenizer
 
-BYTE_VOCAB = 256
-DOCUMENT_SEPARATOR = 0  # NUL never occurs in source text, so it marks file boundaries
-
-
-class DataSourceError(ValueError):
-    pass
+__all__ = ["BYTE_VOCAB", "DOCUMENT_SEPARATOR", "DataSourceError", "TokenCorpus", "default_cache_dir", "load_corpus"]
 
 
 @dataclass(frozen=True)
 class TokenCorpus:
-    """A read-only array of token ids and the vocabulary they are drawn from."""
+    """A read-only array of token ids and the vocabulary they are drawn from; for text
+    tokenized by a subword tokenizer, its ``tokenizer.json`` (what the run directory copies)."""
 
     tokens: np.ndarray
     vocab_size: int
     description: str
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshyard"
+    tokenizer_file: Path | None = None
 
 
 def expand_paths(patterns: list[str]) -> list[Path]:
@@ -62,39 +61,36 @@ def stdlib_source_files() -> list[Path]:
     return sorted(files)
 
 
-def _fingerprint(files: list[Path]) -> str:
-    digest = hashlib.sha256(b"byte-v1")
-    for f in files:
-        stat = f.stat()
-        digest.update(f"{f}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:20]
-
-
-def _write_atomically(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            array.tofile(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def byte_tokenize_files(files: list[Path], cache_dir: Path, label: str) -> TokenCorpus:
-    """Byte-level tokens of ``files`` joined by separators, cached as a uint8 file."""
-    cache = cache_dir / f"{label}-{_fingerprint(files)}.u8"
+def text_corpus(files: list[Path], cfg: DataConfig, cache_dir: Path, label: str,
+                report: Callable[[str], None] = print) -> TokenCorpus:
+    """The documents of ``files`` tokenized as ``data.tokenizer`` says, from the cache
+    (built first when missing: see the module docstring for its name)."""
+    extra = f"jsonl:{cfg.text_field}" if any(f.suffix == JSONL_SUFFIX for f in files) else ""
+    encoding, tokenizer_file, tag, key = BYTE_ENCODING, None, "byte-v1", extra
+    if cfg.tokenizer != BYTES:
+        resolved = _subword_tokenizer(files, cfg, cache_dir, extra, report)
+        encoding, tokenizer_file = tokenizer_encoding(resolved.tokenizer, resolved.description), resolved.file
+        tag, key = "tokens-v1", f"{extra}\0{resolved.digest}"
+    dtype = token_dtype(encoding.vocab_size)
+    cache = cache_dir / f"{label}-{files_fingerprint(files, tag, key)}{dtype_suffix(dtype)}"
     if not cache.exists():
-        chunks = []
-        for f in files:
-            chunks.append(np.frombuffer(f.read_bytes(), dtype=np.uint8))
-            chunks.append(np.array([DOCUMENT_SEPARATOR], dtype=np.uint8))
-        _write_atomically(cache, np.concatenate(chunks))
-    tokens = np.memmap(cache, dtype=np.uint8, mode="r")
-    return TokenCorpus(tokens, BYTE_VOCAB, f"{label}: {len(files)} files, {len(tokens):,} byte tokens ({cache})")
+        build_token_cache(cache, files, cfg.text_field, encoding, report)
+    tokens = np.memmap(cache, dtype=dtype, mode="r")
+    return TokenCorpus(tokens, encoding.vocab_size, _described(label, files, tokens, encoding, cache), tokenizer_file)
+
+
+def _subword_tokenizer(files: list[Path], cfg: DataConfig, cache_dir: Path, extra: str,
+                       report: Callable[[str], None]) -> ResolvedTokenizer:
+    """``data.tokenizer``'s tokenizer; a BPE to train learns from the documents of ``files``."""
+    def texts() -> Iterator[str]:
+        return (document.decode("utf-8", errors="replace") for document in documents(files, cfg.text_field))
+
+    return resolve_tokenizer(cfg.tokenizer, texts, files_fingerprint(files, "bpe-v1", extra), cache_dir, report)
+
+
+def _described(label: str, files: list[Path], tokens: np.ndarray, encoding: Encoding, cache: Path) -> str:
+    what = "byte tokens" if encoding is BYTE_ENCODING else f"tokens of {encoding.name} ({encoding.vocab_size} ids)"
+    return f"{label}: {len(files)} files, {len(tokens):,} {what} ({cache})"
 
 
 def load_token_files(files: list[Path], token_dtype: str) -> np.ndarray:
@@ -111,9 +107,9 @@ def load_corpus(cfg: DataConfig) -> TokenCorpus:
     """The corpus named by ``data.source`` (built-in sources only; custom datasets bypass this)."""
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     if cfg.source == "stdlib":
-        corpus = byte_tokenize_files(stdlib_source_files(), cache_dir, "stdlib")
+        corpus = text_corpus(stdlib_source_files(), cfg, cache_dir, "stdlib")
     elif cfg.source == "text":
-        corpus = byte_tokenize_files(expand_paths(cfg.paths), cache_dir, "text")
+        corpus = text_corpus(expand_paths(cfg.paths), cfg, cache_dir, "text")
     elif cfg.source == "tokens":
         tokens = load_token_files(expand_paths(cfg.paths), cfg.token_dtype)
         if tokens.size == 0:
@@ -134,5 +130,6 @@ def load_corpus(cfg: DataConfig) -> TokenCorpus:
     else:
         raise DataSourceError(f"unknown data.source '{cfg.source}'")
     if cfg.max_tokens and len(corpus.tokens) > cfg.max_tokens:
-        corpus = TokenCorpus(corpus.tokens[: cfg.max_tokens], corpus.vocab_size, corpus.description + " (truncated)")
+        corpus = TokenCorpus(corpus.tokens[: cfg.max_tokens], corpus.vocab_size, corpus.description + " (truncated)",
+                             corpus.tokenizer_file)
     return corpus

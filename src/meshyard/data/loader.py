@@ -7,7 +7,8 @@ so a resume only tells it the step to start at (``DataBundle.seek``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ class DataBundle:
     vocab_size: int
     description: str
     train_samples: int
+    tokenizer_file: Path | None = None  # see ``Splits``
 
     def seek(self, step: int) -> None:
         """Make the next iterator over ``train_loader`` start at global step ``step``."""
@@ -73,7 +75,17 @@ class DataBundle:
         return (collate([self.val_dataset[i] for i in batch]) for batch in indices)
 
 
-def split_corpus(cfg: DataConfig) -> tuple[TokenWindows, TokenWindows | None, int, str]:
+class Splits(NamedTuple):
+    """A built-in corpus cut into training and held-out windows."""
+
+    train: TokenWindows
+    held_out: TokenWindows | None
+    vocab_size: int
+    description: str
+    tokenizer_file: Path | None  # the subword tokenizer of text, which the run directory copies
+
+
+def split_corpus(cfg: DataConfig) -> Splits:
     corpus = load_corpus(cfg)
     windows = (len(corpus.tokens) - 1) // cfg.seq_len
     val = int(windows * cfg.val_fraction) if cfg.val_fraction > 0 else 0
@@ -86,7 +98,7 @@ def split_corpus(cfg: DataConfig) -> tuple[TokenWindows, TokenWindows | None, in
         )
     train = TokenWindows(corpus.tokens, cfg.seq_len, 0, windows - val)
     held_out = TokenWindows(corpus.tokens, cfg.seq_len, windows - val, val) if val else None
-    return train, held_out, corpus.vocab_size, corpus.description
+    return Splits(train, held_out, corpus.vocab_size, corpus.description, corpus.tokenizer_file)
 
 
 def custom_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset | None, int, str]:
@@ -111,10 +123,11 @@ def build_data(
 ) -> DataBundle:
     """The training loader for one data-parallel rank and the held-out split; batches for a
     CUDA ``device`` come in pinned memory."""
+    tokenizer_file = None
     if is_custom_reference(cfg.source):
         train, val, vocab, description = custom_datasets(cfg)
     else:
-        train, val, vocab, description = split_corpus(cfg)
+        train, val, vocab, description, tokenizer_file = split_corpus(cfg)
     sampler = GlobalBatchSampler(len(train), global_batch, micro_batch, dp_rank, dp_size, seed)
     extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True} if cfg.num_workers else {}
     # A private generator: creating a loader iterator draws a seed from it, and drawing
@@ -124,4 +137,4 @@ def build_data(
         extra["collate_fn"] = collate_batch
     loader = DataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
                         pin_memory=pins_memory(device), **extra)
-    return DataBundle(loader, val, vocab, description, len(train))
+    return DataBundle(loader, val, vocab, description, len(train), tokenizer_file)

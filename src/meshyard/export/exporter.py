@@ -31,7 +31,7 @@ from meshyard.inference.exports import sidecar_path
 from meshyard.inference.loading import describe, load_engine
 from meshyard.inference.runtimes import open_export
 from meshyard.inference.source import ModelSource
-from meshyard.inference.tokenizer import ByteTokenizer
+from meshyard.inference.tokenizer import tokenizer_record
 from meshyard.plugins import PluginError
 from meshyard.run_dir import RunDir
 
@@ -220,7 +220,7 @@ def _facts(request: ExportRequest, source: ModelSource, parity: Parity) -> dict[
     return {
         "format": request.format, "int8": request.int8, "vocab_size": source.vocab_size,
         "context_length": source.context_length,
-        "tokenizer": "bytes" if isinstance(source.tokenizer, ByteTokenizer) else None,
+        "tokenizer": tokenizer_record(source.tokenizer),
         "name": source.name, "version": version, "source": source.checkpoint,
         "parity": {**parity.as_dict(), "tolerance": request.tolerance},
         "max_loss_increase": request.max_loss_increase if request.int8 else None,

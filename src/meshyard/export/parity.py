@@ -69,7 +69,7 @@ def held_out(data: DataConfig, batches: int, batch_size: int = 8) -> HeldOut:
     if is_custom_reference(data.source):
         train, val, _, _ = custom_datasets(data)
     else:
-        train, val, _, _ = split_corpus(data)
+        train, val, *_ = split_corpus(data)
     if val is not None and len(val) > 0:
         samples, where = val, "held-out"
     else:

@@ -92,7 +92,8 @@ def generate_with_cache(module: nn.Module, prompts: list[list[int]], sampling: l
         slot_of = {row: slot for slot, row in enumerate(rows)}
         logits = _prefill_by_length(module, cache, slot_of, prompts, rows)
         while True:
-            chosen = next_tokens(logits, [sampling[i] for i in rows], [generators[i] for i in rows]).tolist()
+            chosen = next_tokens(logits, [sampling[i] for i in rows], [generators[i] for i in rows],
+                                 vocab_size).tolist()
             for row, token in zip(rows, chosen):
                 out[row].append(token)
             going = [(row, token) for row, token in zip(rows, chosen) if len(out[row]) < sampling[row].max_new_tokens]

@@ -84,7 +84,7 @@ def generate_by_recomputing(forward: Forward, prompts: list[list[int]], sampling
         if not active:
             return new
         logits = last_logits(forward, [sequences[i] for i in active])
-        chosen = next_tokens(logits, [sampling[i] for i in active], [generators[i] for i in active])
+        chosen = next_tokens(logits, [sampling[i] for i in active], [generators[i] for i in active], vocab_size)
         for i, token in zip(active, chosen.tolist()):
             sequences[i].append(token)
             new[i].append(token)
@@ -114,10 +114,11 @@ class ForwardEngine:
         self.bytes = bytes_
 
     def next_token_logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        """[B, V] float32: the logits after each sequence's last token, from one forward."""
+        """[B, V] float32: the logits after each sequence's last token, from one forward; a
+        model's padded vocabulary (ids from ``vocab_size`` on) is cut off."""
         check_sequences(sequences, self.vocab_size, self.context_length)
         with torch.inference_mode():
-            return last_logits(self.forward, sequences)
+            return last_logits(self.forward, sequences)[:, : self.vocab_size]
 
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
         """The new tokens of each prompt, recomputing the padded batch at every step."""

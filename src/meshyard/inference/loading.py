@@ -36,7 +36,7 @@ from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.inference.engine import EagerEngine, Engine
 from meshyard.inference.runtimes import describe_export, load_export_engine
 from meshyard.inference.source import KINDS, ModelSource, ModelSourceError, build_served_model
-from meshyard.inference.tokenizer import BYTE_SOURCES, tokenizer_for
+from meshyard.inference.tokenizer import BYTE_SOURCES, Tokenizer, tokenizer_for
 from meshyard.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,13 @@ def describe(path: str, name: str | None = None) -> ModelSource:
     if not target.exists():
         raise ModelSourceError(f"{path} does not exist; {KINDS}")
     ref = _checkpoint_of(path)
-    config = _config_of(target, ref)
+    config, run_dir = _config_of(target, ref)
+    tokenizer = tokenizer_for(config.data, run_dir)
     return ModelSource(
         path=path, name=name or config.run.name, version=version_of(ref),
-        vocab_size=_vocab_size(config.model, config.data, ref, path), context_length=config.model.context_length or config.data.seq_len,
-        tokenizer=tokenizer_for(config.data), estimated_bytes=_estimated_bytes(ref, config.model.tie_embeddings), config=config,
-        checkpoint=ref.location,
+        vocab_size=_vocab_size(config.model, config.data, tokenizer, ref, path),
+        context_length=config.model.context_length or config.data.seq_len, tokenizer=tokenizer,
+        estimated_bytes=_estimated_bytes(ref, config.model.tie_embeddings), config=config, checkpoint=ref.location,
     )
 
 
@@ -112,20 +113,21 @@ def _checkpoint_of(location: str) -> CheckpointRef:
         raise ModelSourceError(f"{problem}; to serve a model {KINDS}") from None
 
 
-def _config_of(target: Path, ref: CheckpointRef) -> Config:
+def _config_of(target: Path, ref: CheckpointRef) -> tuple[Config, Path | None]:
     """The run's config: ``config.toml`` of the run directory given or holding the
-    checkpoint folder, else the config the checkpoint's manifest recorded."""
+    checkpoint folder, else the config the checkpoint's manifest recorded; and that run
+    directory (None for a manifest's config)."""
     for candidate in (target / CONFIG_FILE, Path(ref.root).parent / CONFIG_FILE):
         if candidate.is_file():
             try:
-                return load_config(candidate)
+                return load_config(candidate), candidate.parent
             except ConfigError as exc:
                 raise ModelSourceError(f"{candidate} cannot be read as a meshyard config ({'; '.join(exc.problems)}); "
                                        "fix it, or serve a checkpoint whose run config is readable") from None
     recorded = ref.manifest.get("config")
     if isinstance(recorded, str):
         try:
-            return config_from_dict(tomllib.loads(recorded))
+            return config_from_dict(tomllib.loads(recorded)), None
         except (ValueError, ConfigError):
             pass  # reported below, as no config at all
     raise ModelSourceError(f"{target}: found the checkpoint {ref.location} but no run config beside it (no "
@@ -158,13 +160,16 @@ def _estimated_bytes(ref: CheckpointRef, tied_embeddings: bool) -> int:
     return sum(int(f.get("size", 0)) for f in files.values())
 
 
-def _vocab_size(model: ModelConfig, data: DataConfig, ref: CheckpointRef, path: str) -> int:
-    """``model.vocab_size``, else the data's (256 for byte text and for unsized random
-    tokens, else ``data.vocab_size``), else the rows of the checkpoint's token embedding."""
+def _vocab_size(model: ModelConfig, data: DataConfig, tokenizer: Tokenizer | None, ref: CheckpointRef,
+                path: str) -> int:
+    """The ids the model is served with: ``model.vocab_size``, else the data's (its
+    tokenizer's for text, 256 for unsized random tokens, else ``data.vocab_size``), else
+    the rows of the checkpoint's token embedding. A vocabulary padded for speed
+    (``model.pad_vocab_multiple``) is not: the padded ids are never served."""
     if model.vocab_size:
         return model.vocab_size
-    if data.source in BYTE_SOURCES:
-        return BYTE_VOCAB
+    if data.source in BYTE_SOURCES and tokenizer is not None:
+        return tokenizer.vocab_size
     if data.vocab_size:
         return data.vocab_size
     if data.source == "random":

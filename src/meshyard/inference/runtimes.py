@@ -25,7 +25,7 @@ from meshyard.inference import exports
 from meshyard.inference.engine import EagerEngine, Engine, ForwardEngine, module_bytes
 from meshyard.inference.int8 import int8_entries, quantized_linears
 from meshyard.inference.source import ModelSource, ModelSourceError, build_served_model
-from meshyard.inference.tokenizer import ByteTokenizer
+from meshyard.inference.tokenizer import tokenizer_from_record
 
 RUNTIMES = ("eager", "torchscript", "onnxruntime")
 
@@ -38,7 +38,7 @@ def describe_export(path: str, name: str | None = None) -> ModelSource:
     return ModelSource(
         path=path, name=name or facts["name"], version=facts["version"], vocab_size=int(facts["vocab_size"]),
         context_length=int(facts["context_length"]),
-        tokenizer=ByteTokenizer() if facts.get("tokenizer") == "bytes" else None,
+        tokenizer=tokenizer_from_record(facts.get("tokenizer")),
         estimated_bytes=Path(path).expanduser().stat().st_size, config=_config(facts, path), checkpoint="",
     )
 

@@ -40,19 +40,20 @@ def generator_for(sampling: Sampling) -> torch.Generator | None:
 
 
 def next_tokens(logits: torch.Tensor, sampling: list[Sampling],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
+                generators: list[torch.Generator | None], vocab_size: int | None = None) -> torch.Tensor:
     """The next token of each row of ``logits`` ([B, V]) as a LongTensor [B] on the CPU.
 
     Row i is the argmax when ``sampling[i].temperature`` is 0; otherwise it is drawn from
     softmax(logits / temperature) restricted to the ``top_k`` largest logits (all of them
-    for top_k 0), with ``generators[i]``.
+    for top_k 0), with ``generators[i]``. Only ids below ``vocab_size`` are chosen: the
+    ids of a vocabulary padded for speed (``model.pad_vocab_multiple``) are no tokens.
     """
     if logits.dim() != 2 or len(sampling) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(f"next_tokens needs logits [B, V] with one Sampling and one generator per row; "
                          f"got logits {tuple(logits.shape)}, {len(sampling)} Sampling, {len(generators)} generators")
     # Sampling happens on the CPU in float32: generators are CPU ones, and a row's draw must
     # not change with the device or precision the model ran in.
-    rows = logits.detach().to(device="cpu", dtype=torch.float32)
+    rows = logits.detach()[:, :vocab_size].to(device="cpu", dtype=torch.float32)
     chosen = [_choose(rows[i], sampling[i], generators[i]) for i in range(rows.shape[0])]
     return torch.tensor(chosen, dtype=torch.long)
 

@@ -13,11 +13,20 @@ from meshyard.plugins import call_with_accepted, is_custom_reference, load_calla
 MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp")
 
 
+def model_vocab(cfg: ModelConfig, vocab_size: int) -> int:
+    """The model's vocabulary: ``model.vocab_size``, else the data's ``vocab_size``, rounded
+    up to a multiple of ``model.pad_vocab_multiple`` when that is set. Rounding a rounded
+    size changes nothing, so a server may pass the model's or the data's vocabulary."""
+    vocab = cfg.vocab_size or vocab_size
+    multiple = cfg.pad_vocab_multiple
+    return -(-vocab // multiple) * multiple if multiple > 0 else vocab
+
+
 def gpt_shape(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTShape:
     """Resolve a preset plus explicit overrides into a concrete ``GPTShape``."""
     preset = GPT_PRESETS.get(cfg.name, GPT_PRESETS["gpt-tiny"])
     return GPTShape(
-        vocab_size=cfg.vocab_size or vocab_size,
+        vocab_size=model_vocab(cfg, vocab_size),
         context_length=cfg.context_length or seq_len,
         n_layer=cfg.n_layer or preset["n_layer"],
         n_head=cfg.n_head or preset["n_head"],
@@ -41,7 +50,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
 
 
 def _build(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
-    vocab = cfg.vocab_size or vocab_size
+    vocab = model_vocab(cfg, vocab_size)
     if is_custom_reference(cfg.name):
         builder = load_callable(cfg.name)
         offered = {"vocab_size": vocab, "context_length": cfg.context_length or seq_len, "config": cfg}

@@ -278,10 +278,10 @@ class ContinuousBatcher:
             self._choose(ready, torch.stack(logits))
         return len(ready)
 
-    @staticmethod
-    def _choose(rows: list[_Request], logits: torch.Tensor) -> None:
-        """Each row's next token from its logits row, with its own sampling and generator."""
-        chosen = next_tokens(logits, [r.sampling for r in rows], [r.generator for r in rows])
+    def _choose(self, rows: list[_Request], logits: torch.Tensor) -> None:
+        """Each row's next token from its logits row, with its own sampling and generator
+        (never an id of a padded vocabulary's padding)."""
+        chosen = next_tokens(logits, [r.sampling for r in rows], [r.generator for r in rows], self.engine.vocab_size)
         for request, token in zip(rows, chosen.tolist()):
             request.tokens.append(token)
 

@@ -151,6 +151,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
         optimizer_step=step_implementation([p for group in optimization.optimizer.param_groups
                                             for p in group["params"]]),
         data=data.description, train_samples=data.train_samples, memory_capacity_bytes=meter.memory.capacity,
+        tokenizer_file=str(data.tokenizer_file or ""),
         throughput=Throughput(**throughput) if throughput else None,
     )
     progress = TrainProgress()

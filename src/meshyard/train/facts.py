@@ -62,6 +62,7 @@ class RunFacts:
     data: str
     train_samples: int
     memory_capacity_bytes: int
+    tokenizer_file: str = ""  # the subword tokenizer the text was tokenized with, copied into the run directory
     throughput: Throughput | None = None
     resumed_from: Resumed | None = None
 
