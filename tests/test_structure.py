@@ -96,10 +96,18 @@ def test_the_run_directory_module_imports_nothing_of_meshyard():
     assert not found, "run_dir.py may import nothing of meshyard:\n" + "\n".join(found)
 
 
+def test_the_errors_module_imports_nothing_of_meshyard():
+    # Below every package, config/ included: each may raise BadInput or derive its errors from it.
+    found = offending_file_imports(SRC / "errors.py", lambda name: _within(name, "meshyard"))
+    assert not found, "errors.py may import nothing of meshyard:\n" + "\n".join(found)
+
+
 def test_config_imports_nothing_of_meshyard_outside_config():
     found = offending_imports("config", lambda name: _within(name, "meshyard")
-                              and not _within(name, "meshyard.config") and name != "meshyard.run_dir.RunDir")
-    assert not found, "config/ may import only meshyard.config.* and meshyard.run_dir:\n" + "\n".join(found)
+                              and not _within(name, "meshyard.config") and name != "meshyard.run_dir.RunDir"
+                              and not _within(name, "meshyard.errors"))
+    assert not found, ("config/ may import only meshyard.config.*, meshyard.run_dir and meshyard.errors:\n"
+                       + "\n".join(found))
 
 
 def test_metrics_import_nothing_from_the_planner():
@@ -333,3 +341,84 @@ def test_the_run_directory_rule_sees_names_in_strings_but_not_in_docstrings_or_p
         '    return run_dir / "logs" / f"{rank}/summary.json", f"{run_dir}/checkpoints", note\n')
     assert run_dir_names_spelled(tmp_path / "pkg") == [
         "pkg/mod.py:6 spells 'logs'", "pkg/mod.py:6 spells 'summary.json'", "pkg/mod.py:6 spells 'checkpoints'"]
+
+
+# One command shape (cli.py): a module that adds a subcommand's parser does it in
+# ``register(subparsers)``, which binds a handler ``(args, overrides) -> int`` with
+# ``set_defaults(handler=...)``; private helpers may add parsers for it.
+REGISTER = "register"
+HANDLER_ARGS = ["args", "overrides"]
+
+
+def _adds_a_parser(node: ast.AST) -> bool:
+    return any(isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "add_parser"
+               for call in ast.walk(node))
+
+
+def _bound_handlers(tree: ast.Module) -> list[ast.expr]:
+    """The values of ``handler=`` in every ``set_defaults(...)`` call of ``tree``."""
+    return [keyword.value for call in ast.walk(tree) if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute) and call.func.attr == "set_defaults"
+            for keyword in call.keywords if keyword.arg == "handler"]
+
+
+def command_shape_problems(folder: Path) -> list[str]:
+    """'file: problem' for every module under ``folder`` that adds a subcommand's parser
+    other than through ``register``, binds no handler, or binds one of another signature."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        adders = sorted(name for name, node in functions.items() if _adds_a_parser(node))
+        if not adders:
+            continue
+        where = path.relative_to(folder.parent)
+        if REGISTER not in functions:
+            found.append(f"{where}: adds parsers ({', '.join(adders)}) but defines no {REGISTER}(subparsers)")
+        others = [name for name in adders if name != REGISTER and not name.startswith("_")]
+        if others:
+            found.append(f"{where}: registers through {', '.join(others)}; only {REGISTER} may")
+        handlers = _bound_handlers(tree)
+        if not handlers:
+            found.append(f"{where}: binds no handler (set_defaults(handler=...))")
+        for handler in handlers:
+            node = functions.get(handler.id) if isinstance(handler, ast.Name) else None
+            names = [a.arg for a in node.args.posonlyargs + node.args.args] if node else None
+            if names != HANDLER_ARGS:
+                found.append(f"{where}:{handler.lineno} handler {ast.unparse(handler)} is not a function of "
+                             f"this module taking ({', '.join(HANDLER_ARGS)}): {names}")
+    return found
+
+
+def test_every_command_registers_through_register_and_one_handler_signature():
+    found = command_shape_problems(SRC)
+    assert not found, "give every command the one shape (see meshyard/cli.py):\n" + "\n".join(found)
+
+
+def test_the_command_shape_rule_sees_another_registration_name_and_handler(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "good.py").write_text(
+        "def register(subparsers):\n    p = subparsers.add_parser('x')\n    p.set_defaults(handler=main)\n\n\n"
+        "def main(args, overrides):\n    return 0\n")
+    (tmp_path / "pkg" / "bad.py").write_text(
+        "def add_parser(subparsers):\n    p = subparsers.add_parser('y')\n    p.set_defaults(handler=main)\n\n\n"
+        "def main(args):\n    return 0\n")
+    assert command_shape_problems(tmp_path / "pkg") == [
+        "pkg/bad.py: adds parsers (add_parser) but defines no register(subparsers)",
+        "pkg/bad.py: registers through add_parser; only register may",
+        "pkg/bad.py:3 handler main is not a function of this module taking (args, overrides): ['args']"]
+
+
+def modules_assigning(folder: Path, name: str) -> list[str]:
+    """The files under ``folder`` that assign ``name`` at any depth."""
+    def assigns(node: ast.AST) -> bool:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        return any(isinstance(target, ast.Name) and target.id == name for target in targets)
+    return [str(path.relative_to(folder.parent)) for path in sorted(folder.rglob("*.py"))
+            if any(assigns(node) for node in ast.walk(ast.parse(path.read_text(), str(path))))]
+
+
+def test_the_bad_input_exit_code_is_defined_once():
+    assert modules_assigning(SRC, "EXIT_BAD_INPUT") == ["meshyard/errors.py"], (
+        "EXIT_BAD_INPUT is defined in meshyard/errors.py alone; import it from there")

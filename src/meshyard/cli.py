@@ -1,18 +1,26 @@
-"""The ``meshyard`` command. Subcommands only parse arguments and call library functions."""
+"""The ``meshyard`` command. Subcommands only parse arguments and call library functions.
+
+Every command has one shape: its module's ``register(subparsers)`` adds its parser and
+binds, with ``set_defaults``, a handler ``(args, overrides) -> exit code`` (``handler``),
+whether it takes ``--section.field`` overrides (``takes_overrides``, default yes) and
+which of its errors it tells under its own name (``own_errors``, ``error_prefix``). Bad
+input is ``meshyard.errors.BadInput``: one paragraph on stderr, exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from meshyard.bench import cli as bench_cli
 from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
+from meshyard.config.sections import Config
 from meshyard.doctor import cli as doctor_cli
+from meshyard.errors import EXIT_BAD_INPUT, BadInput, call_command
 from meshyard.export import cli as export_cli
-from meshyard.extras import MissingExtra
-from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
 from meshyard.jobs import k8s_cli
 from meshyard.jobs import slurm_cli
@@ -30,7 +38,12 @@ OVERRIDES_HELP = (
 )
 
 
-def _add_run(subparsers: argparse._SubParsersAction) -> None:
+# ``meshyard run``'s flags that set the [run] keys of the same names, typed by argparse;
+# they win over the file and the --run.* overrides.
+RUN_FLAGS = ("nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "node_rank")
+
+
+def _register_run(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
         help="train according to a TOML config (default: a tiny GPT on one local worker per GPU, 2 on CPU)",
@@ -56,9 +69,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    help="auto (default): continue from this run directory's newest valid checkpoint; "
                    "latest: continue the newest run of the same name; none: start fresh; PATH or URL: "
                    "a checkpoint, checkpoint folder or run directory to start from")
+    p.set_defaults(handler=run_main)
 
 
-def _add_config(subparsers: argparse._SubParsersAction) -> None:
+def _register_config(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("config", help="inspect configurations",
                               description="Inspect configurations.", epilog=OVERRIDES_HELP)
     sub = p.add_subparsers(dest="config_command", required=True, metavar="{show}")
@@ -67,6 +81,19 @@ def _add_config(subparsers: argparse._SubParsersAction) -> None:
                           "each field preceded by its documentation.", epilog=OVERRIDES_HELP)
     show.add_argument("config", nargs="?", help="TOML config file (optional)")
     show.add_argument("--plain", action="store_true", help="omit the documentation comments")
+    show.set_defaults(handler=config_main)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register meshyard's own commands, ``run`` and ``config``; both take config overrides."""
+    _register_run(subparsers)
+    _register_config(subparsers)
+
+
+# Each adds its parsers and binds their handlers; the order is that of 'meshyard --help'.
+REGISTRARS = (register, checkpoint_cli.register, plan_cli.register, verify_cli.register,
+              doctor_cli.register, bench_cli.register, place_cli.register, k8s_cli.register, slurm_cli.register,
+              serve_cli.register, export_cli.register)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,32 +101,28 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshyard",
         description="Distributed training for PyTorch from one TOML config.",
     )
+    # What a command that binds only its handler gets.
+    parser.set_defaults(takes_overrides=True, own_errors=(), error_prefix="meshyard")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_run(subparsers)
-    _add_config(subparsers)
-    checkpoint_cli.add_parser(subparsers)
-    plan_cli.add_parser(subparsers)
-    verify_cli.add_parser(subparsers)
-    doctor_cli.add_parsers(subparsers)
-    bench_cli.add_bench_parser(subparsers)
-    place_cli.add_parser(subparsers)
-    k8s_cli.add_parser(subparsers)
-    slurm_cli.add_parser(subparsers)
-    serve_cli.add_parser(subparsers)
-    export_cli.add_parser(subparsers)
+    for add in REGISTRARS:
+        add(subparsers)
     return parser
 
 
-def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
+def with_run_flags(config: Config, args: argparse.Namespace) -> Config:
+    """``config`` with the [run] keys that ``meshyard run``'s flags (``RUN_FLAGS``) give."""
+    given = {key: value for key in RUN_FLAGS if (value := getattr(args, key)) is not None}
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, **given))
+
+
+def run_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``meshyard run``: train, here or as this node's part of a job."""
     from meshyard.api import run
 
-    given = {"nproc": args.nproc, "nnodes": args.nnodes, "rdzv_endpoint": args.rdzv_endpoint,
-             "rdzv_id": args.rdzv_id, "node_rank": args.node_rank}
-    overrides = [*overrides, *(f"--run.{key}={value}" for key, value in given.items() if value is not None)]
     # run() validates once, for the world size it will run at; problems met on load are
     # reported with its own, in one message.
     config, problems = collect_config(args.config, overrides)
-    result = run(config, resume=args.resume, earlier_problems=problems)
+    result = run(with_run_flags(config, args), resume=args.resume, earlier_problems=problems)
     if result.summary is not None:
         print(f"meshyard: finished; records in {result.run_dir}", flush=True)
     else:
@@ -107,48 +130,31 @@ def _cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+def config_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``meshyard config show``: the resolved config as TOML."""
     config = load_config(args.config, overrides)
     print(config_to_toml(config, with_docs=not args.plain), end="")
     return 0
 
 
-def _without_overrides(command):
-    """Commands that take no config overrides refuse them instead of ignoring them."""
-    def call(args: argparse.Namespace, overrides: list[str]) -> int:
-        if overrides:
-            raise ConfigError([f"'meshyard {args.command}' takes no --section.field overrides (got "
-                               f"{' '.join(overrides)})"], "arguments")
-        return command(args)
-    return call
-
-
-COMMANDS = {
-    "run": _cmd_run,
-    "config": _cmd_config,
-    "ckpt": _without_overrides(checkpoint_cli.main),
-    "plan": _without_overrides(plan_cli.main),
-    "verify": verify_cli.main,
-    "doctor": _without_overrides(doctor_cli.doctor_main),
-    "report": _without_overrides(doctor_cli.report_main),
-    "bench": bench_cli.run_bench,
-    "place": place_cli.main,
-    "k8s": k8s_cli.main,
-    "slurm": slurm_cli.main,
-    "serve": serve_cli.main,
-    "export": _without_overrides(export_cli.main),
-}
+def refuse_overrides(args: argparse.Namespace, overrides: list[str]) -> None:
+    """A command that takes no config overrides refuses them instead of ignoring them."""
+    if overrides and not args.takes_overrides:
+        raise ConfigError([f"'meshyard {args.command}' takes no --section.field overrides (got "
+                           f"{' '.join(overrides)})"], "arguments")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``meshyard`` command line (default: the process's) and return its exit code."""
     parser = build_parser()
     # Overrides are taken out first so that '--model.name gpt-mini' never lends its
     # value to a positional argument.
     overrides, rest = group_override_tokens(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)
     try:
-        return COMMANDS[args.command](args, overrides)
-    except (ConfigError, MissingExtra) as exc:
+        refuse_overrides(args, overrides)
+        return call_command(args, overrides)
+    except BadInput as exc:
         print(f"meshyard: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except WorkerFailure as exc:

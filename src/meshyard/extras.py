@@ -15,6 +15,7 @@ from types import ModuleType
 import fsspec
 
 from meshyard.config.sections import CheckpointConfig, MetricsConfig
+from meshyard.errors import BadInput
 
 # top-level import name -> (pip extra, distribution name)
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -34,7 +35,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
-class MissingExtra(ImportError):
+class MissingExtra(BadInput, ImportError):
     """A feature's optional package is not installed; the message names the extra."""
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from meshyard.errors import BadInput
+
 GiB = 2**30
 MiB = 2**20
 
@@ -92,7 +94,7 @@ INTER_NODE_LINKS = ("ib-hdr", "ib-hdr-8x", "ib-ndr", "ib-ndr-8x", "roce-400g-8x"
                     "eth-100g", "eth-25g")
 
 
-class CatalogError(ValueError):
+class CatalogError(BadInput, ValueError):
     """An unknown GPU or link name; the message lists the known ones."""
 
 

@@ -25,7 +25,8 @@ from meshyard.checkpoint.resume import checkpoint_root, restart_count
 from meshyard.config.dump import config_hash, config_to_toml
 from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
-from meshyard.fault.failure import EXIT_BAD_INPUT, first_failure, record_bad_input, record_failure, this_attempt
+from meshyard.errors import EXIT_BAD_INPUT
+from meshyard.fault.failure import first_failure, record_bad_input, record_failure, this_attempt
 from meshyard.fault.preemption import EXIT_PREEMPTED, NullWatcher, Preempted, PreemptionWatcher
 from meshyard.launch.local import quiet_agent_logs
 from meshyard.metrics.records import read_metrics, truncate_metrics

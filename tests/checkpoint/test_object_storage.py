@@ -61,4 +61,4 @@ def test_s3_round_trip(tmp_path, s3_endpoint, monkeypatch):
     args = build_parser().parse_args(["ckpt", "export", url, "--out", str(out),
                                       "--storage-option", "key=testing", "--storage-option", "secret=testing",
                                       "--storage-option", f"endpoint_url={s3_endpoint}"])
-    assert ckpt_main(args) == 0 and out.stat().st_size > 0
+    assert ckpt_main(args, []) == 0 and out.stat().st_size > 0

@@ -9,14 +9,13 @@ first (the figures land in the sidecar).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from meshyard.export import cli as export_cli
+from meshyard.cli import main
 from meshyard.export.exporter import ExportRefused, ExportRequest, check_int8_loss, check_parity
 from meshyard.export.parity import compare, held_out
 from meshyard.export.quantize import linears_to_quantize, quantize_linears
@@ -28,9 +27,7 @@ FILES = {"safetensors": "model.safetensors", "torchscript": "model.pt", "onnx": 
 
 
 def run_export(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="meshyard")
-    export_cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return export_cli.main(parser.parse_args(["export", *argv]))
+    return main(["export", *argv])
 
 
 def sidecar(path: Path) -> dict:

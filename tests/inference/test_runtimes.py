@@ -8,14 +8,13 @@ the run's checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from meshyard.export import cli as export_cli
+from meshyard.cli import main
 from meshyard.inference.engine import EagerEngine
 from meshyard.inference.loading import describe, load_engine
 from meshyard.inference.runtimes import OnnxEngine, TorchScriptEngine, describe_export
@@ -29,9 +28,7 @@ PROMPTS = [[72], [72, 101, 108, 108, 111], list(range(30, 70)), [10] * 64]
 
 
 def run_export(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="meshyard")
-    export_cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return export_cli.main(parser.parse_args(["export", *argv]))
+    return main(["export", *argv])
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 yaml = pytest.importorskip("yaml")
 
-from meshyard.cli import build_parser, main  # noqa: E402
+from meshyard.cli import build_parser, main, with_run_flags  # noqa: E402
 from meshyard.config.dump import REDACTED, recorded_dict  # noqa: E402
 from meshyard.config.load import ConfigError, group_override_tokens, load_config, tomllib  # noqa: E402
 from meshyard.jobs.k8s_cli import to_yaml  # noqa: E402
@@ -255,12 +255,10 @@ def kubelet_start(command: list[str], env: dict[str, str]) -> tuple[list[str], d
 
 def meshyard_run(argv: list[str]) -> tuple[Any, list[str]]:
     """What ``meshyard run`` makes of ``argv`` (without the program name): its arguments, and
-    the overrides it applies to the config (as the run command turns its options into them)."""
+    its config overrides (its flags are applied to the loaded config by ``with_run_flags``)."""
     assert argv[:2] == ["meshyard", "run"]
     overrides, rest = group_override_tokens(argv[1:])
-    args = build_parser().parse_args(rest)
-    given = {"node_rank": args.node_rank, "rdzv_endpoint": args.rdzv_endpoint}
-    return args, [*overrides, *(f"--run.{key}={value}" for key, value in given.items() if value is not None)]
+    return build_parser().parse_args(rest), overrides
 
 
 OPERATOR_ENV = {
@@ -307,7 +305,7 @@ def test_each_pod_runs_one_meshyard_agent_that_joins_the_job(case, tmp_path):
                                                               "trainjob": "exp-44-node-0-0.exp-44:29400"}[case]
     mounted = tmp_path / "config.toml"
     mounted.write_text(config_map["data"][CONFIG_KEY])
-    config = load_config(mounted, run_overrides)
+    config = with_run_flags(load_config(mounted, run_overrides), args)
     assert (config.run.nproc, config.run.rdzv_id) == (8, request.name)
     low, _, high = request.nodes.partition(":")
     validate(config, int(high or low) * 8)

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from meshyard.plan.cli import add_parser, build_parser, main
+from meshyard.plan.cli import build_parser, register, run
 from meshyard.plan.inputs import strategies_from_args
 
 
 def _run(*argv: str) -> int:
-    return main(build_parser().parse_args(list(argv)))
+    return run(list(argv))
 
 
 def test_ranked_table_rejections_and_arithmetic(capsys):
@@ -27,9 +27,9 @@ def test_ranked_table_rejections_and_arithmetic(capsys):
 
 def test_subcommand_wiring():
     parser = argparse.ArgumentParser(prog="meshyard")
-    add_parser(parser.add_subparsers(dest="command"))
+    register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["plan", "--model", "gpt-tiny", "--gpus", "2", "--seq-len", "128", "--explain", "0"])
-    assert args.command == "plan" and main(args) == 0
+    assert args.command == "plan" and not args.takes_overrides and args.handler(args, []) == 0
 
 
 def test_custom_size_and_memory_override(capsys):

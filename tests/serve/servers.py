@@ -33,12 +33,8 @@ LOG_TAIL_CHARS = 4000
 
 
 def serve_command() -> list[str]:
-    """``meshyard serve`` through the entry point when it has the command, else its module."""
-    from meshyard import cli
-
-    if "serve" in getattr(cli, "COMMANDS", {}):
-        return [sys.executable, "-m", "meshyard.cli", "serve"]
-    return [sys.executable, "-m", "meshyard.serve.cli"]
+    """``meshyard serve`` through the entry point."""
+    return [sys.executable, "-m", "meshyard.cli", "serve"]
 
 
 @dataclass

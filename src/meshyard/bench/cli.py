@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from meshyard.bench.report import BenchInputError, default_out_dir
 from meshyard.extras import require
 
-EXIT_BAD_INPUT = 2
-
 _OVERRIDES = ("Any config field can be set with --section.field=value (as for 'meshyard run'); it applies to "
               "every run of the benchmark.")
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``bench comm``, ``bench scaling`` and ``bench compression``."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``bench comm``, ``bench scaling`` and ``bench compression``; a bad argument of
+    one is told as ``meshyard bench <kind>: ...``."""
     bench = subparsers.add_parser(
         "bench", help="measure collectives, scaling over workers, and gradient compression",
         description="Benchmarks that print a table and write JSON (with versions and hardware) and a plot to "
@@ -54,33 +52,29 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     compression.add_argument("--steps", type=int, help="train.steps of each run (default: the config's)")
     compression.add_argument("--nproc", type=int, help="workers (default: the config's run.nproc)")
     compression.add_argument("--out", help="output directory")
+    for kind, parser in (("comm", comm), ("scaling", scaling), ("compression", compression)):
+        parser.set_defaults(handler=main, own_errors=(BenchInputError,), error_prefix=f"meshyard bench {kind}")
 
 
-def run_bench(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Dispatch a parsed ``bench`` command; bad arguments give one message and exit code 2.
-
-    Config problems raise ``ConfigError``, which the top-level command reports the same way.
-    """
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run a parsed ``bench`` command. A bad argument raises ``BenchInputError``, a config
+    problem ``ConfigError``: both ``BadInput``, told in one paragraph with exit code 2."""
     # Checked first: the plots come after minutes of measuring.
     require("matplotlib", f"the plots of 'meshyard bench {args.bench_command}'")
-    try:
-        steps = getattr(args, "steps", None)
-        if steps is not None and steps < 1:
-            raise BenchInputError(f"--steps {steps} must be at least 1")
-        out = Path(args.out) if args.out else default_out_dir(args.bench_command)
-        if args.bench_command == "comm":
-            _comm(args, overrides, out)
-        elif args.bench_command == "scaling":
-            from meshyard.bench.scaling import parse_workers, run_scaling_bench
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps < 1:
+        raise BenchInputError(f"--steps {steps} must be at least 1")
+    out = Path(args.out) if args.out else default_out_dir(args.bench_command)
+    if args.bench_command == "comm":
+        _comm(args, overrides, out)
+    elif args.bench_command == "scaling":
+        from meshyard.bench.scaling import parse_workers, run_scaling_bench
 
-            run_scaling_bench(args.config, overrides, parse_workers(args.workers), args.mode, args.steps, out)
-        else:
-            from meshyard.bench.compression import parse_methods, run_compression_bench
+        run_scaling_bench(args.config, overrides, parse_workers(args.workers), args.mode, args.steps, out)
+    else:
+        from meshyard.bench.compression import parse_methods, run_compression_bench
 
-            run_compression_bench(args.config, overrides, parse_methods(args.methods), args.steps, args.nproc, out)
-    except BenchInputError as exc:
-        print(f"meshyard bench {args.bench_command}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        run_compression_bench(args.config, overrides, parse_methods(args.methods), args.steps, args.nproc, out)
     print(f"meshyard: results in {out}", flush=True)
     return 0
 

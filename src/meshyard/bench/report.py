@@ -12,10 +12,11 @@ from typing import Any, Sequence
 
 import torch
 
+from meshyard.errors import BadInput
 from meshyard.extras import require
 
 
-class BenchInputError(ValueError):
+class BenchInputError(BadInput, ValueError):
     """A bad benchmark argument; the message says what is wrong and what is accepted."""
 
 

@@ -15,7 +15,6 @@ from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.tools import CheckpointToolError, export, list_checkpoints, model_state, resolve
 from meshyard.config.sections import RunConfig
 
-EXIT_BAD_INPUT = 2
 EXIT_INVALID = 1
 
 
@@ -32,7 +31,9 @@ def _storage_options(pairs: list[str]) -> dict[str, object]:
     return options
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard ckpt``; a location that holds nothing usable, a bad option or an
+    unreadable file is told as ``meshyard ckpt: ...``. It takes no config overrides."""
     p = subparsers.add_parser("ckpt", help="list, inspect, verify and export checkpoints",
                               description="Work with checkpoints of a run, offline. PATH is one checkpoint, a "
                               "folder of step-* checkpoints, or a run directory (tried in that order), local or an "
@@ -55,31 +56,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sub.add_parser("verify", parents=[common], help="check sizes and SHA-256 of every file; exit 1 if any is invalid")
     exp = sub.add_parser("export", parents=[common], help="write the model as one .safetensors or .pt file")
     exp.add_argument("--out", required=True, type=Path, help="output file: *.safetensors, or *.pt for torch.save")
+    # A location's message says what to give instead; an OSError names the file.
+    p.set_defaults(handler=main, takes_overrides=False, own_errors=(LocationError, CheckpointToolError, OSError),
+                   error_prefix="meshyard ckpt")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run ``meshyard ckpt list|inspect|verify|export``: 0, or 1 when ``verify`` (or ``list``)
+    finds an invalid checkpoint."""
     console = Console()
-    try:
-        options, runs = _storage_options(args.storage_option), Runs(args.runs_dir, args.run_name)
-        if args.ckpt_command in ("list", "verify"):
-            return _list(console, args.path, options, runs, checksums=args.ckpt_command == "verify")
-        ref = resolve(args.path, options, runs, report=lambda message: print(f"meshyard ckpt: {message}",
-                                                                             file=sys.stderr))
-        if args.ckpt_command == "inspect":
-            store = ref.store()
-            manifest, problem = verify(store, store.path(ref.name), checksums=False)
-            shown = {k: v for k, v in (manifest or {}).items() if k not in ("files", "config")}
-            console.print_json(json.dumps({"checkpoint": store.url_of(ref.name), "problem": problem, **shown}))
-            table = Table("tensor", "shape", "dtype", title="model")
-            for key, tensor in model_state(ref).items():
-                table.add_row(key, str(tuple(tensor.shape)), str(tensor.dtype).removeprefix("torch."))
-            console.print(table)
-            return 0
-        export(ref, args.out, report=lambda m: console.print(m, highlight=False))
+    options, runs = _storage_options(args.storage_option), Runs(args.runs_dir, args.run_name)
+    if args.ckpt_command in ("list", "verify"):
+        return _list(console, args.path, options, runs, checksums=args.ckpt_command == "verify")
+    ref = resolve(args.path, options, runs, report=lambda message: print(f"meshyard ckpt: {message}",
+                                                                         file=sys.stderr))
+    if args.ckpt_command == "inspect":
+        store = ref.store()
+        manifest, problem = verify(store, store.path(ref.name), checksums=False)
+        shown = {k: v for k, v in (manifest or {}).items() if k not in ("files", "config")}
+        console.print_json(json.dumps({"checkpoint": store.url_of(ref.name), "problem": problem, **shown}))
+        table = Table("tensor", "shape", "dtype", title="model")
+        for key, tensor in model_state(ref).items():
+            table.add_row(key, str(tuple(tensor.shape)), str(tensor.dtype).removeprefix("torch."))
+        console.print(table)
         return 0
-    except (LocationError, CheckpointToolError, OSError) as exc:  # a location's message says what to give instead
-        print(f"meshyard ckpt: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    export(ref, args.out, report=lambda m: console.print(m, highlight=False))
+    return 0
 
 
 def _list(console: Console, path: str, options: dict[str, object], runs: Runs, checksums: bool) -> int:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 from meshyard.checkpoint.manager import find_latest_valid, step_of
 from meshyard.checkpoint.manifest import MANIFEST, verify
 from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.errors import BadInput
 from meshyard.run_dir import RunDir
 
 LATEST_RUN = "latest"
@@ -51,7 +52,7 @@ KINDS = ("give a checkpoint (a folder with manifest.json), a folder of step-NNNN
          "a run directory, or 'latest'")
 
 
-class LocationError(ValueError):
+class LocationError(BadInput, ValueError):
     """A location holds no usable checkpoint; the message names it and says what to give instead."""
 
 

@@ -15,6 +15,7 @@ from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.model_file import write_model_file
 from meshyard.checkpoint.state import SafeBytesMixin
 from meshyard.checkpoint.storage import CheckpointStore
+from meshyard.errors import BadInput
 from meshyard.extras import require
 
 
@@ -22,7 +23,7 @@ class _SafeFullStatePlanner(SafeBytesMixin, _EmptyStateDictLoadPlanner):
     """Loads every entry of a checkpoint, non-tensor entries without unpickling code."""
 
 
-class CheckpointToolError(ValueError):
+class CheckpointToolError(BadInput, ValueError):
     """A ``meshyard ckpt`` command cannot do what was asked (bad option, invalid checkpoint)."""
 
 

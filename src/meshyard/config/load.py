@@ -21,9 +21,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from meshyard.config.sections import SECTIONS, Config
+from meshyard.errors import BadInput
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """One or more problems with a configuration; ``problems`` lists each one."""
 
     def __init__(self, problems: Iterable[str], source: str = "configuration") -> None:

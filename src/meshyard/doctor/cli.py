@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.doctor.diagnose import DoctorError, diagnose
 from meshyard.run_dir import RunDir
 
+# What a run directory that cannot be read raises: told as 'meshyard doctor: ...' (or report).
+UNREADABLE_RUN = (DoctorError, OSError, ValueError)
 
 
-def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard doctor`` and ``meshyard report``; neither takes config overrides."""
     doctor = subparsers.add_parser(
         "doctor", help="name a run's bottleneck with evidence and advice",
         description="Read a run directory's records and say whether the run is data-bound, communication-bound, "
@@ -23,20 +24,21 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "to change.")
     doctor.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     doctor.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    doctor.set_defaults(handler=doctor_main, takes_overrides=False, own_errors=UNREADABLE_RUN,
+                        error_prefix="meshyard doctor")
     report = subparsers.add_parser(
         "report", help="write a self-contained HTML page with plots and the diagnosis",
         description=f"Write RUN_DIR/{RunDir.REPORT} (or --out): loss and eval curves, stacked step-time breakdown, "
         "throughput and MFU, per-rank busy times, memory, and the doctor's diagnosis.")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help=f"output file (default: RUN_DIR/{RunDir.REPORT})")
+    report.set_defaults(handler=report_main, takes_overrides=False, own_errors=UNREADABLE_RUN,
+                        error_prefix="meshyard report")
 
 
-def doctor_main(args: argparse.Namespace) -> int:
-    try:
-        diagnosis = diagnose(args.run_dir)
-    except (DoctorError, OSError, ValueError) as exc:
-        print(f"meshyard doctor: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+def doctor_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Print the diagnosis of a run directory (as JSON with ``--json``)."""
+    diagnosis = diagnose(args.run_dir)
     if args.json:
         print(json.dumps(diagnosis.to_dict(), indent=2))
         return 0
@@ -51,13 +53,10 @@ def doctor_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def report_main(args: argparse.Namespace) -> int:
+def report_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Write the HTML report of a run directory."""
     from meshyard.doctor.report import write_report  # needs matplotlib, an optional extra
 
-    try:
-        out = write_report(args.run_dir, args.out)
-    except (DoctorError, OSError, ValueError) as exc:
-        print(f"meshyard report: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    out = write_report(args.run_dir, args.out)
     print(f"meshyard: report written to {out}")
     return 0

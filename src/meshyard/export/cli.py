@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshyard.export.exporter import ExportInputError, ExportRefused, ExportRequest, export_model
 from meshyard.inference.exports import FORMATS, RUNTIME_OF, ExportFormatError
+from meshyard.inference.source import ModelSourceError
 
-EXIT_BAD_INPUT = 2
 EXIT_REFUSED = 1
 
 EPILOG = """examples:
@@ -21,8 +22,9 @@ run's held-out samples; an export beyond --tolerance (float32) or --max-loss-inc
 refused and nothing is written. Beside PATH goes PATH.json, the sidecar a server reads."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """The ``export`` subcommand."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard export``; what cannot be exported is told as ``meshyard export: ...``.
+    It takes no config overrides."""
     p = subparsers.add_parser(
         "export", help="write a trained model as safetensors, TorchScript or ONNX (optionally INT8), checked",
         description="Write the model of a run (its newest valid checkpoint) or of one checkpoint in a format\n"
@@ -44,16 +46,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default 0.02 = 2%%)")
     p.add_argument("--batches", type=int, default=4, metavar="N",
                    help="held-out batches of 8 samples compared (default 4)")
+    p.set_defaults(handler=main, takes_overrides=False,
+                   own_errors=(ModelSourceError, ExportFormatError, ExportInputError), error_prefix="meshyard export")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the export; 0 when written, 1 when refused by its check, 2 on bad input."""
-    from meshyard.export.exporter import ExportInputError, ExportRefused, ExportRequest, export_model
-    from meshyard.inference.source import ModelSourceError
-
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run the export; 0 when written, 1 when refused by its check; bad input raises (exit code 2)."""
     if args.batches < 1 or args.tolerance < 0:
-        print("meshyard export: --batches must be at least 1 and --tolerance at least 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise ExportInputError("--batches must be at least 1 and --tolerance at least 0")
     request = ExportRequest(location=args.location, format=args.format, out=args.out, int8=args.int8,
                             tolerance=args.tolerance, max_loss_increase=args.max_loss_increase, batches=args.batches)
     try:
@@ -61,8 +61,5 @@ def main(args: argparse.Namespace) -> int:
     except ExportRefused as exc:
         print(f"meshyard export: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    except (ModelSourceError, ExportFormatError, ExportInputError) as exc:
-        print(f"meshyard export: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     return 0
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from meshyard.config.dump import recorded_dict
 from meshyard.data.corpus import DataSourceError
+from meshyard.errors import BadInput
 from meshyard.export import formats
 from meshyard.export.parity import HeldOut, Parity, compare, held_out, seconds_per_forward
 from meshyard.export.quantize import quantize_linears, quantize_onnx
@@ -39,7 +40,7 @@ SPEED_BATCH = 16  # the batch the INT8 speed ratio is measured at
 Report = Callable[[str], None]
 
 
-class ExportInputError(ValueError):
+class ExportInputError(BadInput, ValueError):
     """The export cannot be made from what was given; the message says what to give instead."""
 
 

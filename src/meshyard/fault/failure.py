@@ -31,8 +31,6 @@ from meshyard.fault.watchdog import EXIT_HUNG
 from meshyard.run_dir import RunDir
 
 FIRST_LINE_CHARS = 240
-EXIT_BAD_INPUT = 2
-"""A worker found the job's input wrong (a ``ConfigError``): restarting cannot help."""
 # Exit codes meshyard's own code gives a rank on purpose, and what each means.
 EXIT_MEANINGS = {EXIT_HUNG: "stopped by the hang watchdog, which says why in the rank's log"}
 

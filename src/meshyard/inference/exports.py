@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from meshyard.checkpoint.model_file import read_model_file
+from meshyard.errors import BadInput
 from meshyard.extras import require
 from meshyard.inference.engine import Forward
 from meshyard.inference.int8 import quantize_named_linears, quantized_linears, set_int8_entries
@@ -34,7 +35,7 @@ RUNTIME_OF: dict[str, str] = {"safetensors": "eager", "torchscript": "torchscrip
 INPUT, OUTPUT = "tokens", "logits"  # the names of an ONNX export's input and output
 
 
-class ExportFormatError(ValueError):
+class ExportFormatError(BadInput, ValueError):
     """An export file or its sidecar cannot be used; the message says what to do instead."""
 
 

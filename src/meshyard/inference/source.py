@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshyard.config.sections import Config
+from meshyard.errors import BadInput
 from meshyard.inference.tokenizer import Tokenizer
 from meshyard.models.registry import build_model
 from meshyard.plugins import PluginError
@@ -21,7 +22,7 @@ KINDS = (f"give a run directory (it holds {RunDir.CONFIG} and {RunDir.CHECKPOINT
          f"(.../{RunDir.CHECKPOINTS}/step-NNNNNNNN), or a file written by 'meshyard export'")
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(BadInput, ValueError):
     """A path that cannot be served; the message names it and says what to give instead."""
 
 

@@ -53,11 +53,12 @@ examples:
 The server's settings are --serve.FIELD=VALUE overrides, passed to every pod's 'meshyard serve'."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``meshyard k8s`` with its ``manifest`` subcommand."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard k8s`` with its ``manifest`` and ``serve-manifest`` subcommands."""
     p = subparsers.add_parser("k8s", help="write Kubernetes manifests: a Kubeflow job for a config, or the serving "
                               "of a trained run", description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(handler=main)
     sub = p.add_subparsers(dest="k8s_command", required=True, metavar="{manifest,serve-manifest}")
     manifest = sub.add_parser("manifest", help="print the ConfigMap and the job as YAML", description=DESCRIPTION,
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -22,11 +22,12 @@ USR1: every rank saves and stops, and the job requeues itself (at most fault.max
 times) and resumes in the same run directory."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Register ``meshyard slurm`` with its ``script`` and ``submit`` subcommands."""
     p = subparsers.add_parser("slurm", help="write or submit an sbatch script for a config",
                               description=DESCRIPTION,
                               epilog="Config fields can be set with --section.field=value, as for 'meshyard run'.")
+    p.set_defaults(handler=main)
     sub = p.add_subparsers(dest="slurm_command", required=True, metavar="{script,submit}")
     script = sub.add_parser("script", help="print the sbatch script", description="Print the sbatch script.")
     submit = sub.add_parser("submit", help="write the script into <run.dir>/slurm and sbatch it",

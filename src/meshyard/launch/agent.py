@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from meshyard.fault.failure import EXIT_BAD_INPUT
+from meshyard.errors import EXIT_BAD_INPUT
 from meshyard.fault.preemption import EXIT_PREEMPTED
 from meshyard.launch.rendezvous import NODES_BACKEND
 

@@ -33,8 +33,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 from torch.distributed.launcher.api import LaunchConfig
 
 from meshyard.config.load import ConfigError
-from meshyard.fault.failure import (EXIT_BAD_INPUT, RankFailed, WorkerFailure, exit_description, first_failure,
-                                    first_line, recorded_bad_input)
+from meshyard.errors import EXIT_BAD_INPUT
+from meshyard.fault.failure import (RankFailed, WorkerFailure, exit_description, first_failure, first_line,
+                                    recorded_bad_input)
 from meshyard.fault.preemption import EXIT_PREEMPTED
 from meshyard.launch.agent import run_agent
 from meshyard.launch.nodes import Nodes, bind_interface, network_note, node_launch_config

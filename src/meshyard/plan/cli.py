@@ -4,11 +4,10 @@ arithmetic lives in the library modules of ``meshyard.plan``."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rich.console import Console
 
-from meshyard.fault.failure import EXIT_BAD_INPUT
+from meshyard.errors import call_command
 from meshyard.hardware import GPUS, INTER_NODE_LINKS, CatalogError
 from meshyard.plan.inputs import PlanInputError, PlanInputs, resolve_inputs
 from meshyard.plan.layout import CONFIG_STRATEGIES, TRAINABLE_PRECISIONS
@@ -104,12 +103,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--out", default="meshyard-plan-scale.png", help="--scale: PNG file for the plot")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def _bind(p: argparse.ArgumentParser) -> None:
+    """The handler, and how bad input is told: ``meshyard plan: ...``; no config overrides."""
+    p.set_defaults(handler=main, takes_overrides=False, own_errors=(PlanInputError, CatalogError),
+                   error_prefix="meshyard plan")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` subcommand to a ``meshyard`` argument parser."""
     p = subparsers.add_parser("plan", help="estimate memory, rank parallel layouts, predict scaling",
                               description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
+    _bind(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshyard plan", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
+    _bind(p)
     return p
 
 
@@ -127,17 +134,13 @@ def _console() -> Console:
     return console
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``meshyard plan``; returns the exit code (2 for bad input, with one message)."""
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run ``meshyard plan``; bad input raises ``PlanInputError`` or ``CatalogError``."""
     console = _console()
     if args.list_hardware:
         render_catalog(console)
         return 0
-    try:
-        inputs = resolve_inputs(args)
-    except (PlanInputError, CatalogError) as exc:
-        print(f"meshyard plan: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    inputs = resolve_inputs(args)
     render_model(console, inputs.desc, inputs.request.seq_len)
     render_cluster(console, inputs.cluster, inputs.request.precision.peak_dtype)
     if inputs.scale_sizes:
@@ -179,16 +182,15 @@ def _run_scale(console: Console, inputs: PlanInputs, out: str) -> int:
         path = plot_scale(result, out, title=f"{inputs.desc.name}: {result.layout_label} on "
                                              f"{inputs.cluster.gpu.name} / {inputs.cluster.inter.name}")
     except OSError as exc:
-        print(f"meshyard plan: cannot write the plot to '{out}' ({exc.strerror or exc}); "
-              "pass --out with a writable path.", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise PlanInputError(f"cannot write the plot to '{out}' ({exc.strerror or exc}); "
+                             "pass --out with a writable path.") from None
     console.print(f"Plot written to {path}")
     return 0
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: the process arguments) and run."""
-    return main(build_parser().parse_args(argv))
+    """Parse ``argv`` (default: the process arguments) and run, as ``meshyard plan`` does."""
+    return call_command(build_parser().parse_args(argv), [])
 
 
-__all__ = ["add_parser", "build_parser", "main", "run"]
+__all__ = ["build_parser", "main", "register", "run"]

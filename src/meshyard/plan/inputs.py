@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 from meshyard.config.sections import ModelConfig, ParallelConfig
+from meshyard.errors import BadInput
 from meshyard.models.gpt import GPT_PRESETS
 from meshyard.plan.hardware import Cluster, make_cluster
 from meshyard.plan.layout import AC_MODES, CONFIG_STRATEGIES, PRECISIONS, STRATEGIES, planner_strategy
@@ -26,7 +27,7 @@ DEFAULT_TOKENS_PER_STEP = 2**19
 DEFAULT_PER_GPU_BATCH = 8
 
 
-class PlanInputError(ValueError):
+class PlanInputError(BadInput, ValueError):
     """A bad ``meshyard plan`` argument; the message says what and how to fix it."""
 
 

@@ -19,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from meshyard.errors import BadInput
 from meshyard.hardware import CatalogError, gpu_spec, link_spec
 
 DEFAULT_LINK_PER_GPU = link_spec("ib-ndr-8x").bandwidth / 8
@@ -30,7 +31,7 @@ NODE_LINK = "node"
 """Bandwidth key of the link between GPUs of one node."""
 
 
-class InventoryError(ValueError):
+class InventoryError(BadInput, ValueError):
     """A bad inventory file; the message names every problem and the fix, in one paragraph."""
 
 

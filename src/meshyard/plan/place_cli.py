@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshyard.fault.failure import EXIT_BAD_INPUT
 from meshyard.plan.inventory import InventoryError, load_inventory
 from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.place_cost import CommEstimate, estimate_comm, memory_per_gpu_gb, plan_inputs
@@ -46,8 +45,9 @@ examples:
   meshyard place --nodes nodes.toml run.toml --gpus 16 --hostfile hostfile --parallel.tp=4"""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``place`` subcommand to a ``meshyard`` argument parser."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``place`` subcommand to a ``meshyard`` argument parser; a bad inventory or a
+    job that cannot be placed is told as ``meshyard place: ...``."""
     p = subparsers.add_parser("place", help="choose nodes for a job from a cluster inventory (topology-aware)",
                               description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=FORMATS, default="text", help="what to print (default: the report)")
     p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     p.add_argument("--hostfile", metavar="PATH", help="also write the placement as a hostfile to PATH")
+    p.set_defaults(handler=main, own_errors=(InventoryError, PlacementError), error_prefix="meshyard place")
 
 
 # --- outputs -------------------------------------------------------------------------------------
@@ -140,32 +141,27 @@ def _output(args: argparse.Namespace, placement: HostPlacement, report: dict[str
 
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Run ``meshyard place``; returns the exit code (2 for bad input, with one paragraph).
-    A bad config raises ``ConfigError`` for the ``meshyard`` command to report."""
-    try:
-        inventory = load_inventory(args.nodes)
-        if args.gpus < 1:
-            raise PlacementError(f"--gpus {args.gpus} must be at least 1")
-        cfg, checked = load_and_validate(args.config, overrides, world_size=args.gpus)
-        desc, layout = plan_inputs(cfg, checked)
-        memory_gb = memory_per_gpu_gb(desc, layout)
-        placement = place(inventory, args.gpus, tp=layout.tp, min_memory_gb=memory_gb, per_node=args.gpus_per_node)
-        naive = round_robin(inventory, args.gpus, min_memory_gb=memory_gb)
-    except (InventoryError, PlacementError) as exc:
-        print(f"meshyard place: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    """Run ``meshyard place``. Bad input raises: ``InventoryError`` or ``PlacementError`` (told
+    as the command's), a bad config ``ConfigError``."""
+    inventory = load_inventory(args.nodes)
+    if args.gpus < 1:
+        raise PlacementError(f"--gpus {args.gpus} must be at least 1")
+    cfg, checked = load_and_validate(args.config, overrides, world_size=args.gpus)
+    desc, layout = plan_inputs(cfg, checked)
+    memory_gb = memory_per_gpu_gb(desc, layout)
+    placement = place(inventory, args.gpus, tp=layout.tp, min_memory_gb=memory_gb, per_node=args.gpus_per_node)
+    naive = round_robin(inventory, args.gpus, min_memory_gb=memory_gb)
     comm, naive_comm = (estimate_comm(inventory, p, desc, layout) for p in (placement, naive))
     if args.hostfile:
         try:
             Path(args.hostfile).write_text(hostfile(placement))
         except OSError as exc:
-            print(f"meshyard place: cannot write the hostfile '{args.hostfile}' ({exc.strerror or exc}); pass a "
-                  "writable path", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise PlacementError(f"cannot write the hostfile '{args.hostfile}' ({exc.strerror or exc}); pass a "
+                                 "writable path") from None
     report = placement_json(placement, naive, comm, naive_comm, layout, memory_gb)
     text = render_text(placement, naive, comm, naive_comm, layout, memory_gb)
     print(_output(args, placement, report, text), end="")
     return 0
 
 
-__all__ = ["add_parser", "affinity_yaml", "main", "placement_json", "render_text"]
+__all__ = ["affinity_yaml", "main", "placement_json", "register", "render_text"]

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any, Iterable
 
+from meshyard.errors import BadInput
 from meshyard.plan.inventory import Inventory, Node, few
 
 
-class PlacementError(ValueError):
+class PlacementError(BadInput, ValueError):
     """A job that cannot be placed; the message says what is missing and where GPUs are free."""
 
 

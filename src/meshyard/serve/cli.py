@@ -22,10 +22,9 @@ from typing import Any
 from meshyard.config.checks import CACHE_SCHEMES, section_problems
 from meshyard.config.load import ConfigError, group_override_tokens, load_section
 from meshyard.config.sections import ServeConfig
-from meshyard.extras import MissingExtra, require
+from meshyard.errors import BadInput, call_command
+from meshyard.extras import require
 from meshyard.run_dir import RunDir
-
-EXIT_BAD_INPUT = 2
 
 DESCRIPTION = f"""\
 Serve trained models over HTTP with dynamic batching. Each PATH is a run directory (its
@@ -52,12 +51,13 @@ Every setting of the [serve] section can be given as --serve.FIELD=VALUE, e.g.
 'meshyard config show' documents them."""
 
 
-class ServeArgumentError(ValueError):
+class ServeArgumentError(BadInput, ValueError):
     """A command line that cannot be served; the message says what to give instead."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``meshyard serve``."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard serve``. All its bad input (a path, canary or pin, the [serve]
+    settings, a missing extra) is told as ``meshyard serve: ...``."""
     p = subparsers.add_parser("serve", help="serve trained models over HTTP (dynamic batching, canaries, caching)",
                               description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="how generate requests are batched (default dynamic)")
     p.add_argument("--ready-file", metavar="FILE",
                    help='write {"url", "pid"} as JSON to FILE once the server listens')
+    p.set_defaults(handler=main, own_errors=(BadInput,), error_prefix="meshyard serve")
 
 
 def settings(args: argparse.Namespace, overrides: list[str]) -> ServeConfig:
@@ -202,16 +203,13 @@ async def serve_until_stopped(app: Any, sock: socket.socket, ready_file: str | N
 
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
-    """``meshyard serve``: 0 after SIGTERM or SIGINT, 2 for a command line that cannot be served."""
-    try:
-        cfg = settings(args, overrides)
-        for module in ("starlette", "uvicorn", *(["redis"] if cfg.cache.startswith(CACHE_SCHEMES) else [])):
-            require(module, "meshyard serve" if module != "redis" else f"serve.cache = '{cfg.cache}'")
-        router = routes(args, cfg)
-        sock = listen(cfg.host, cfg.port)
-    except (ServeArgumentError, ConfigError, MissingExtra) as exc:
-        print(f"meshyard serve: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    """``meshyard serve``: 0 after SIGTERM or SIGINT; a command line that cannot be served
+    raises ``BadInput`` (exit code 2) before anything listens."""
+    cfg = settings(args, overrides)
+    for module in ("starlette", "uvicorn", *(["redis"] if cfg.cache.startswith(CACHE_SCHEMES) else [])):
+        require(module, "meshyard serve" if module != "redis" else f"serve.cache = '{cfg.cache}'")
+    router = routes(args, cfg)
+    sock = listen(cfg.host, cfg.port)
     from meshyard.serve.app import Server, build_app
 
     # serve.threads is set on the inference thread, where every model call runs (Server).
@@ -229,9 +227,9 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
 def _standalone(argv: list[str]) -> int:
     """``python -m meshyard.serve.cli ...``: the same command outside the ``meshyard`` entry point."""
     parser = argparse.ArgumentParser(prog="meshyard")
-    add_parser(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True))
     overrides, rest = group_override_tokens(argv)
-    return main(parser.parse_args(["serve", *rest]), overrides)
+    return call_command(parser.parse_args(["serve", *rest]), overrides)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from meshyard.verify.compare import verify_layout
 EXIT_PASS, EXIT_FAIL = 0, 1
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshyard verify``; it takes config overrides for the layout it checks."""
     p = subparsers.add_parser(
         "verify", help="check that a parallel layout trains the same model as one process",
         description="Train the config for a few steps on one process and on its configured layout (same "
@@ -23,6 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run (default 5)")
     p.add_argument("--nproc", type=int, help="ranks of the layout run (default run.nproc)")
     p.add_argument("--workdir", help="keep both run directories under this folder (default: a temporary one)")
+    p.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
