@@ -55,3 +55,14 @@ def test_a_model_gpt2_cannot_express_is_refused_in_one_paragraph(custom_model_ru
     with pytest.raises(CheckpointToolError, match="--format hf writes meshyard's GPT .*this checkpoint's model is"):
         export_hugging_face(ref, tmp_path / "hf", report=lambda message: None)
     assert not (tmp_path / "hf").exists()
+
+
+def test_ckpt_export_writes_a_folder_from_the_command_line(trained_run, tmp_path, capsys):
+    from meshyard.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["ckpt", "export", str(trained_run), "--format", "hf", "--out", str(out), "--max-shard-gb", "0.00004"]) == 0
+    assert "as GPT2LMHeadModel" in capsys.readouterr().out
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    assert main(["ckpt", "export", str(trained_run), "--format", "hf", "--out", str(out), "--max-shard-gb", "0"]) == 2
+    assert "meshyard ckpt: --max-shard-gb 0 must be positive" in capsys.readouterr().err

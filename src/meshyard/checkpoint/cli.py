@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from meshyard.checkpoint.hf_export import MAX_SHARD_BYTES, export_hugging_face
 from meshyard.checkpoint.locate import LATEST_RUN, LocationError, Runs
 from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.tools import CheckpointToolError, export, list_checkpoints, model_state, resolve
@@ -54,8 +55,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.add_parser("inspect", parents=[common],
                    help="manifest and tensor shapes of one checkpoint (of a folder or run: its newest valid one)")
     sub.add_parser("verify", parents=[common], help="check sizes and SHA-256 of every file; exit 1 if any is invalid")
-    exp = sub.add_parser("export", parents=[common], help="write the model as one .safetensors or .pt file")
-    exp.add_argument("--out", required=True, type=Path, help="output file: *.safetensors, or *.pt for torch.save")
+    exp = sub.add_parser("export", parents=[common],
+                         help="write the model as one .safetensors or .pt file, or a folder transformers loads")
+    exp.add_argument("--out", required=True, type=Path,
+                     help="output file (*.safetensors, or *.pt for torch.save), or with --format hf a folder")
+    exp.add_argument("--format", choices=("file", "hf"), default="file",
+                     help="file (default: one file, its kind by --out's suffix) or hf: a Hugging Face model folder "
+                     "(config.json, safetensors sharded above --max-shard-gb, generation_config.json; meshyard's GPT "
+                     "is written as GPT2LMHeadModel), which AutoModelForCausalLM.from_pretrained loads")
+    exp.add_argument("--max-shard-gb", type=float, default=MAX_SHARD_BYTES / 1e9, metavar="GB",
+                     help="with --format hf: the largest safetensors file; more weights are sharded with an index")
     # A location's message says what to give instead; an OSError names the file.
     p.set_defaults(handler=main, takes_overrides=False, own_errors=(LocationError, CheckpointToolError, OSError),
                    error_prefix="meshyard ckpt")
@@ -80,7 +89,13 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
             table.add_row(key, str(tuple(tensor.shape)), str(tensor.dtype).removeprefix("torch."))
         console.print(table)
         return 0
-    export(ref, args.out, report=lambda m: console.print(m, highlight=False))
+    report = lambda message: console.print(message, highlight=False)  # noqa: E731
+    if args.format == "hf":
+        if args.max_shard_gb <= 0:
+            raise CheckpointToolError(f"--max-shard-gb {args.max_shard_gb:g} must be positive (e.g. 5)")
+        export_hugging_face(ref, args.out, report=report, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    else:
+        export(ref, args.out, report=report)
     return 0
 
 

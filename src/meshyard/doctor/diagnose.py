@@ -20,6 +20,7 @@ from typing import Any
 from meshyard.config.load import load_config
 from meshyard.config.sections import (CommConfig, Config, DataConfig, MetricsConfig, ParallelConfig, PrecisionConfig,
                                       TrainConfig)
+from meshyard.errors import BadInput
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
 from meshyard.run_dir import RunDir
@@ -31,7 +32,7 @@ MEMORY_BOUND_FRACTION = 0.90
 LOW_MFU = 0.30
 
 
-class DoctorError(ValueError):
+class DoctorError(BadInput, ValueError):
     """The directory is not a meshyard run with step records."""
 
 
