@@ -6,10 +6,11 @@ from torch import nn
 
 from meshyard.config.sections import ModelConfig
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
+from meshyard.models.hf_auto import HF_MODEL, build_hf_model
 from meshyard.models.mlp import MLP
 from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
 
-MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp")
+MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp", HF_MODEL)
 
 
 def gpt_shape(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTShape:
@@ -31,6 +32,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
 
     A custom builder gets the keywords it declares among ``vocab_size``,
     ``context_length`` and ``config`` (the ``ModelConfig``), plus ``model.options``.
+    ``hf`` is built from the config.json in ``model.init_from`` (its own vocabulary).
     """
     vocab = cfg.vocab_size or vocab_size
     if is_custom_reference(cfg.name):
@@ -40,6 +42,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model builder '{cfg.name}' returned {type(model).__name__}, not an nn.Module")
         return model
+    if cfg.name == HF_MODEL:
+        return build_hf_model(cfg.init_from)
     if cfg.name == "mlp":
         return MLP(vocab_size=vocab, d_model=cfg.d_model or 128, n_layer=cfg.n_layer or 2)
     return GPT(gpt_shape(cfg, vocab_size, seq_len))
