@@ -21,10 +21,25 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
 
 
+def init_from_overrides(path: Path, folder: Path) -> list[str]:
+    """An example that starts from a Hugging Face folder the user has (``model.init_from``)
+    gets a tiny random GPT-2 folder of the example's vocabulary in its place, made here
+    with ``save_pretrained``: nothing is downloaded."""
+    config = load_config(path)
+    if not config.model.init_from:
+        return []
+    transformers = pytest.importorskip("transformers")
+    if not (folder / "config.json").exists():
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=config.data.vocab_size or 256, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+            bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
+    return [f"--model.init_from={folder}"]
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_is_valid(path, monkeypatch):
+def test_example_is_valid(path, monkeypatch, tmp_path):
     monkeypatch.chdir(path.parents[1])  # plugin paths are relative to the repository
-    config, layout = load_and_validate(path, [])
+    config, layout = load_and_validate(path, init_from_overrides(path, tmp_path / "hf"))
     assert layout.dims.world_size == config.run.nproc
     for reference in (config.model.name, config.data.source):
         if is_custom_reference(reference):
@@ -43,9 +58,9 @@ def tiny_overrides(path: Path, tmp_path: Path) -> list[str]:
     config = load_config(path)
     if not is_custom_reference(config.data.source):
         overrides += ["--data.source=random", "--data.random_tokens=65536", "--data.tokenizer=bytes"]
-    if not is_custom_reference(config.model.name):
+    if not is_custom_reference(config.model.name) and not config.model.init_from:
         overrides.append("--model.d_model=48")  # divisible by every preset's heads (2, 4, 6, 8, 12)
-    return overrides
+    return overrides + init_from_overrides(path, tmp_path / "hf")
 
 
 def test_the_text_example_tokenizes_its_own_files(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("report", "matplotlib"),
     "prometheus_client": ("prometheus", "prometheus-client"),
     "safetensors": ("safetensors", "safetensors"),
+    "transformers": ("hf", "transformers"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "s3fs": ("s3", "s3fs"),
     "yaml": ("k8s", "pyyaml"),

@@ -40,6 +40,8 @@ from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.extras import config_problems as extras_problems
 from meshyard.fault.failure import describe
 from meshyard.models.gpt import GPT_PRESETS
+from meshyard.checkpoint.init_source import InitSourceError, find_source, kind_problem
+from meshyard.models.hf_auto import HF_MODEL, HFModelError
 from meshyard.models.registry import MODEL_NAMES, build_model
 from meshyard.parallel.inspect import layout_problems as model_layout_problems
 from meshyard.parallel.layout import Layout
@@ -75,7 +77,7 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
     problems.extend(layout_problems)
     if layout is not None:
         problems.extend(_micro_batch_problems(layout))
-    shape_problems = _gpt_shape_problems(cfg)
+    shape_problems = _gpt_shape_problems(cfg) + _init_from_problems(cfg)
     problems.extend(shape_problems)
     if layout is not None and not shape_problems:
         problems.extend(_model_problems(cfg, layout))
@@ -220,6 +222,26 @@ def _gpt_shape_problems(cfg: Config) -> list[str]:
         problems.append(f"parallel.pp_split = {split} sums to {sum(split)} blocks, not the "
                         f"{size['n_layer']} of {shown('n_layer')}")
     return problems
+
+
+def _init_from_problems(cfg: Config) -> list[str]:
+    """``model.init_from``: a path of a kind meshyard starts from, and for ``model.name =
+    'hf'`` a Hugging Face folder (its config.json builds the model). Whether its tensors
+    fit the model is known once the model is built: the workers check that."""
+    m = cfg.model
+    if not m.init_from.strip():
+        return []
+    try:
+        source = find_source(m.init_from)
+    except InitSourceError as exc:
+        return [str(exc)]
+    problem = kind_problem(m.name, source)
+    if problem is None and m.name == HF_MODEL:
+        try:
+            _build_on_meta(cfg)
+        except HFModelError as exc:
+            problem = f"model.init_from: {exc}"
+    return [problem] if problem else []
 
 
 def _is_gpt(name: str) -> bool:

@@ -62,6 +62,9 @@ def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
          f"model.context_length = {m.context_length} is shorter than data.seq_len = {d.seq_len}; "
          "raise the context or shorten the samples"),
         (0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout} must be in [0, 1)"),
+        (m.name != "hf" or bool(m.init_from.strip()),
+         "model.name = 'hf' builds the model from the config.json of a Hugging Face model folder, but "
+         "model.init_from is empty; set model.init_from to that folder (config.json and *.safetensors)"),
     ])
 
 

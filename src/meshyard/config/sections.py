@@ -27,7 +27,14 @@ class ModelConfig:
     name: str = option(
         "gpt-mini",
         "Preset (gpt-tiny, gpt-mini, gpt-small, gpt-medium, gpt2-124m), 'gpt' for a custom "
-        "size, 'mlp', or your own builder as 'package.module:function' or 'path/file.py:function'.",
+        "size, 'mlp', 'hf' (a Hugging Face causal LM built from the config.json of the folder in model.init_from), "
+        "or your own builder as 'package.module:function' or 'path/file.py:function'.",
+    )
+    init_from: str = option(
+        "", "Start training (at step 0, with a fresh optimizer) from these weights: a Hugging Face model folder "
+        "(config.json and *.safetensors; meshyard's GPT reads GPT2LMHeadModel folders), a meshyard run directory "
+        "or checkpoint, or a .safetensors file of 'meshyard ckpt export' / 'meshyard export'. Each rank reads "
+        "only its own shards and stages. A run resuming its own checkpoint ignores it. Empty: random weights.",
     )
     n_layer: int = option(0, "Transformer blocks (MLP: hidden layers); 0 keeps the preset's value.")
     n_head: int = option(0, "Attention heads; 0 keeps the preset's value.")

@@ -7,10 +7,11 @@ from torch import nn
 from meshyard.config.sections import ModelConfig
 from meshyard.models.dropout import switch_off_dropout
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
+from meshyard.models.hf_auto import HF_MODEL, build_hf_model
 from meshyard.models.mlp import MLP
 from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
 
-MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp")
+MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp", HF_MODEL)
 
 
 def model_vocab(cfg: ModelConfig, vocab_size: int) -> int:
@@ -41,6 +42,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
 
     A custom builder gets the keywords it declares among ``vocab_size``,
     ``context_length`` and ``config`` (the ``ModelConfig``), plus ``model.options``.
+    ``hf`` is built from the config.json in ``model.init_from`` (its own vocabulary).
     With ``model.no_dropout`` every dropout rate of the built model is set to 0.
     """
     model = _build(cfg, vocab_size, seq_len)
@@ -58,6 +60,8 @@ def _build(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model builder '{cfg.name}' returned {type(model).__name__}, not an nn.Module")
         return model
+    if cfg.name == HF_MODEL:
+        return build_hf_model(cfg.init_from)
     if cfg.name == "mlp":
         return MLP(vocab_size=vocab, d_model=cfg.d_model or 128, n_layer=cfg.n_layer or 2)
     return GPT(gpt_shape(cfg, vocab_size, seq_len))

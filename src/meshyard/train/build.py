@@ -8,12 +8,14 @@ in-process too. The steps, in order, each a function below:
    one DeviceMesh;
 3. data: the stateful sampler at this rank's data-parallel index;
 4. model: built (on the meta device where the layout shards it), parallelized, then
-   materialized;
+   materialized (``model.init_from``'s source is checked against the data before);
 5. optimization: optimizer (ZeRO-1 partitioned when the layout says so), LR schedule,
    precision;
 6. checkpointer: the bundle of Stateful parts and the manager that commits them;
 7. the Trainer and the run's facts (``train.facts.RunFacts``), then resume: every rank
-   agrees on the checkpoint to start from and loads it.
+   agrees on the checkpoint to start from and loads it;
+8. initialize: a run that resumed nothing reads ``model.init_from``'s weights, each rank
+   its own shards and stages (``train.start``).
 
 What the layout implies is asked of ``Layout``; nothing here branches on the strategy.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,7 +49,7 @@ from meshyard.parallel.compile import Compilation, resolve_compile
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.materialize import build_model_deferred, materialize
 from meshyard.parallel.parallelize import Parallelized, parallelize
-from meshyard.parallel.pipeline import example_micro_batch, tied_weight_group
+from meshyard.parallel.pipeline import example_micro_batch, tied_groups, tied_weight_group
 from meshyard.run_dir import RunDir, run_id_of
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
@@ -55,6 +57,7 @@ from meshyard.runtime.hosts import gather_host_labels
 from meshyard.train.facts import Resumed, RunFacts, Throughput
 from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr, step_implementation
 from meshyard.train.pipeline_step import PipelineStep
+from meshyard.train.start import StartFrom, initialize, start_from
 from meshyard.train.precision import build_precision, resolve_dtype
 from meshyard.train.state import DataPosition, ScalerState, SchedulerState, TrainProgress
 from meshyard.train.step import MicroBatchStep, StepRunner
@@ -90,6 +93,17 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Assembled:
+    """A rank's Trainer before it resumes, the run's facts, and where its weights start
+    from when it resumes nothing (with the full model's tied parameter names)."""
+
+    trainer: Trainer
+    facts: RunFacts
+    start: StartFrom | None = None
+    ties: list[set[str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class BuiltRun:
     """A rank's Trainer ready to fit, what the run is, and where the rank reports."""
 
@@ -112,20 +126,32 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir: Path, resume: str = "a
                           "directory; pass that directory as run_dir (with resume = 'auto') or as resume")
     observers = observe(cfg, runtime, run_dir)
     try:
-        trainer, facts = assemble(cfg, runtime, run_dir, observers, preemption)
+        assembled = assemble(cfg, runtime, run_dir, observers, preemption)
     except BaseException:
         observers.watchdog.stop()  # no trainer to close it: the watchdog would report a hang later
         raise
+    trainer = assembled.trainer
     try:
         resumed = resume_trainer(trainer, cfg, runtime, run_dir, resume, observers.report)
+        initialize(trainer.model, assembled.start, assembled.ties, resumed, observers.report,
+                   _noter(observers, runtime))
     except BaseException:
         trainer.close()
         raise
-    return BuiltRun(trainer, replace(facts, resumed_from=resumed), observers)
+    return BuiltRun(trainer, replace(assembled.facts, resumed_from=resumed), observers)
+
+
+def _noter(observers: Observers, runtime: Runtime) -> Callable[[str], None]:
+    """A line for this rank's log, and for the console from rank 0."""
+    def note(message: str) -> None:
+        observers.logger.info(message)
+        if runtime.is_main:
+            observers.display.note(f"meshyard: {message}")
+    return note
 
 
 def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
-             preemption: PreemptionWatcher | NullWatcher | None) -> tuple[Trainer, RunFacts]:
+             preemption: PreemptionWatcher | NullWatcher | None) -> Assembled:
     """Steps 2 to 7 above, up to a Trainer that has not resumed yet, and the run's facts."""
     placement = place(cfg, runtime)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -134,8 +160,10 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     batch = placement.batch
     data = build_data(cfg.data, batch.global_batch, batch.micro_batch, placement.dp_rank, batch.dp_size,
                       cfg.train.seed, runtime.device)
+    start = start_from(cfg.model, cfg.data, data.vocab_size, data.description)
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
-    parallelized, parameters, model_init = build_parallel_model(cfg, runtime, placement, data, dtype, observers)
+    parallelized, parameters, model_init, ties = build_parallel_model(cfg, runtime, placement, data, dtype,
+                                                                      observers)
     meter, throughput = build_meter(cfg.metrics, observers.timer, parallelized.model, cfg.data.seq_len,
                                     runtime.device, dtype, runtime.world_size, observers.hosts)
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
@@ -163,7 +191,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     trainer = Trainer(parallelized, runner,
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
                       progress, on_nonfinite=cfg.fault.on_nonfinite)
-    return trainer, facts
+    return Assembled(trainer, facts, start, ties)
 
 
 def observe(cfg: Config, runtime: Runtime, run_dir: Path) -> Observers:
@@ -193,15 +221,17 @@ def place(cfg: Config, runtime: Runtime) -> Placement:
 
 
 def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, data: DataBundle,
-                         dtype: torch.dtype, observers: Observers) -> tuple[Parallelized, int, str]:
+                         dtype: torch.dtype, observers: Observers) -> tuple[Parallelized, int, str, list[set[str]]]:
     """The model, parallelized by the layout. Under FSDP and pipelining it is built on the
     meta device and materialized after sharding: no rank ever holds the whole model.
-    Returns it, its number of parameters and how it was initialised ("meta" or "device")."""
+    Returns it, its number of parameters, how it was initialised ("meta" or "device") and
+    the names sharing a weight in the whole model (a pipeline stage holds one of them)."""
     layout = placement.layout
     model, init_record = build_model_deferred(lambda: build_model(cfg.model, data.vocab_size, cfg.data.seq_len),
                                               runtime.device, layout.meta_init, observers.logger.info,
                                               observers.report)
     n_params = sum(p.numel() for p in model.parameters())  # meta parameters count too
+    ties = tied_groups(model)
     timer = observers.timer
     compile_blocks = resolve_compile(cfg.train.compile, runtime.device) and not layout.compiles_whole
     parallelized = parallelize(model, layout, placement.mesh, dtype, cfg.precision.reduce_fp32, cfg.comm,
@@ -216,7 +246,7 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
     del init_record  # it holds the values of tensors built with them, in full
     if timer.enabled and layout.times_fsdp_waits(runtime.device.type):
         timer.fsdp.attach(parallelized.model)  # FSDP's forward all-gather waits count as communication
-    return parallelized, n_params, model_init
+    return parallelized, n_params, model_init, ties
 
 
 def build_optimization(cfg: Config, parallelized: Parallelized, placement: Placement, dtype: torch.dtype,
