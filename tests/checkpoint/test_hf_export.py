@@ -66,3 +66,33 @@ def test_ckpt_export_writes_a_folder_from_the_command_line(trained_run, tmp_path
     assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
     assert main(["ckpt", "export", str(trained_run), "--format", "hf", "--out", str(out), "--max-shard-gb", "0"]) == 2
     assert "meshyard ckpt: --max-shard-gb 0 must be positive" in capsys.readouterr().err
+
+
+def test_a_hugging_face_folder_trained_and_exported_loads_back_with_the_trained_weights(tmp_path):
+    """HF folder -> 2 steps of training from it (model.name = "hf") -> --format hf -> from_pretrained:
+    the architecture and config are the folder's own, the weights the trained ones."""
+    from tests.conftest import tiny_config
+    from tests.inprocess import fit_here
+
+    source = tmp_path / "source"
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)).save_pretrained(source)
+    cfg = tiny_config(tmp_path / "train", "--model.name=hf", f"--model.init_from={source}", "--train.steps=2",
+                      "--checkpoint.enabled=true", "--checkpoint.async_save=false", "--parallel.strategy=none")
+    fit_here(cfg)
+    ref = locate(str(cfg.run.run_dir), {})
+    out = export_hugging_face(ref, tmp_path / "exported", report=lambda message: None)
+    exported = json.loads((out / "config.json").read_text())
+    original = json.loads((source / "config.json").read_text())
+    assert exported["architectures"] == ["GPT2LMHeadModel"]
+    assert {key: exported[key] for key in ("n_embd", "n_layer", "n_head", "vocab_size")} == {
+        key: original[key] for key in ("n_embd", "n_layer", "n_head", "vocab_size")}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    trained = model_state(ref)
+    assert trained.keys() >= {name for name, _ in loaded.named_parameters()}
+    for name, parameter in loaded.named_parameters():
+        torch.testing.assert_close(parameter.detach(), trained[name], rtol=0, atol=0)
+    before = transformers.AutoModelForCausalLM.from_pretrained(source)
+    assert not torch.equal(before.transformer.h[0].attn.c_attn.weight, loaded.transformer.h[0].attn.c_attn.weight)

@@ -2,8 +2,11 @@
 
 The folder holds ``config.json``, the weights as safetensors (one ``model.safetensors``, or
 shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, as
-``save_pretrained`` writes them) and ``generation_config.json``. meshyard's own GPT is
-written as ``GPT2LMHeadModel`` (``models.hf_gpt2``). The weights are read from the DCP
+``save_pretrained`` writes them), ``generation_config.json`` and the run's tokenizer
+(``tokenizer.json``, when it trained with one). meshyard's own GPT is written as
+``GPT2LMHeadModel`` (``models.hf_gpt2``); a run of a Hugging Face architecture
+(``model.name = "hf"``, or a builder returning a ``transformers`` model) keeps it: its own
+config, its own tensor names, a tied head stored once. The weights are read from the DCP
 checkpoint one shard's tensors at a time, each tensor whole whatever layout saved it, so
 the process never holds more than one output shard of the model.
 """
@@ -11,6 +14,7 @@ the process never holds more than one output shard of the model.
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +29,11 @@ from meshyard.checkpoint.tools import CheckpointToolError, read_full_state
 from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
 from meshyard.extras import require
+from meshyard.models.hf_auto import HF_MODEL
 from meshyard.models.hf_gpt2 import NotGPT2, gpt2_config, gpt2_name
-from meshyard.models.registry import gpt_shape
+from meshyard.models.registry import build_model, gpt_shape
 from meshyard.plugins import is_custom_reference
+from meshyard.run_dir import RunDir
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default for save_pretrained
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -74,9 +80,21 @@ def export_hugging_face(ref: CheckpointRef, out: Path, report: Callable[[str], N
     generation = {key: target.config[key] for key in ("bos_token_id", "eos_token_id")
                   if target.config.get(key) is not None}
     (out / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True}, indent=2))
+    tokenizer = _run_tokenizer(ref)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / RunDir.TOKENIZER)
     report(f"exported {len(weight_map)} tensors of step {manifest['step']} as {target.config['architectures'][0]} "
            f"to {out} ({len(shards)} safetensors file{'s' if len(shards) > 1 else ''})")
     return out
+
+
+def _run_tokenizer(ref: CheckpointRef) -> Path | None:
+    """The tokenizer the run trained with, kept in its run directory (a local checkpoint
+    folder's parent); None for byte-level runs and remote checkpoints."""
+    if "://" in ref.root:
+        return None
+    path = RunDir(Path(ref.root).parent).tokenizer
+    return path if path.is_file() else None
 
 
 def _recorded_config(ref: CheckpointRef, manifest: dict[str, Any]) -> Config:
@@ -98,17 +116,67 @@ def _model_shapes(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
 
 
 def _target(cfg: Config, shapes: dict[str, TensorStorageMetadata]) -> _Target:
-    """meshyard's GPT becomes GPT2LMHeadModel; other models are refused with the reason."""
+    """meshyard's GPT becomes GPT2LMHeadModel; a Hugging Face model keeps its architecture;
+    other models are refused with the reason."""
     name = cfg.model.name
-    if is_custom_reference(name) or name == "mlp" or "tok_emb.weight" not in shapes or "pos_emb.weight" not in shapes:
-        raise CheckpointToolError(
-            f"--format hf writes meshyard's GPT (as GPT2LMHeadModel); this checkpoint's model is '{name}'. Export "
-            "it as one file instead (--out model.safetensors), which any PyTorch code can load")
+    if name == HF_MODEL or is_custom_reference(name):
+        return _hugging_face_target(cfg, shapes)
+    if name == "mlp" or "tok_emb.weight" not in shapes or "pos_emb.weight" not in shapes:
+        raise CheckpointToolError(_NOT_EXPORTABLE.format(name=name))
     shape = gpt_shape(cfg.model, int(shapes["tok_emb.weight"].size[0]), int(shapes["pos_emb.weight"].size[0]))
     try:
         return _Target(gpt2_config(shape), {key: gpt2_name(key, shape.tie_embeddings) for key in shapes})
     except NotGPT2 as exc:
         raise CheckpointToolError(f"this checkpoint's GPT cannot be written as GPT2LMHeadModel: {exc}") from None
+
+
+_NOT_EXPORTABLE = ("--format hf writes meshyard's GPT (as GPT2LMHeadModel) and Hugging Face architectures; this "
+                   "checkpoint's model is '{name}'. Export it as one file instead (--out model.safetensors), which "
+                   "any PyTorch code can load")
+
+
+def _hugging_face_target(cfg: Config, shapes: dict[str, TensorStorageMetadata]) -> _Target:
+    """The run's model built on the meta device (from ``model.init_from``'s config.json, or
+    by the run's builder); exportable when it is a ``transformers`` model, whose config
+    and tensor names the folder keeps."""
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, _vocab_of(cfg, shapes), cfg.model.context_length or cfg.data.seq_len)
+    except Exception as exc:  # a builder that cannot run here (file moved, missing package)
+        raise CheckpointToolError(f"the run's model '{cfg.model.name}' cannot be built here to read its "
+                                  f"architecture ({(str(exc).splitlines() or [type(exc).__name__])[0]}); export it as one "
+                                  "file instead (--out model.safetensors)") from None
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise CheckpointToolError(_NOT_EXPORTABLE.format(name=cfg.model.name))
+    record = config.to_dict()
+    record["architectures"] = [type(model).__name__]
+    record.pop("use_cache", None)  # training switched it off; a loaded model decides for itself
+    tied = {first for first, second in _tied_pairs(model)}
+    return _Target(record, {key: (None if key in tied else (key, False)) for key in shapes})
+
+
+def _tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(later name, first name) of parameters that are one tensor under two names."""
+    seen: dict[int, str] = {}
+    pairs = []
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            pairs.append((name, seen[id(parameter)]))
+        else:
+            seen[id(parameter)] = name
+    return pairs
+
+
+def _vocab_of(cfg: Config, shapes: dict[str, TensorStorageMetadata]) -> int:
+    """The vocabulary the run built its model with: configured, or the rows of its token
+    embedding (the first 2-D tensor whose name says it embeds tokens)."""
+    if cfg.model.vocab_size or cfg.data.vocab_size:
+        return cfg.model.vocab_size or cfg.data.vocab_size
+    for name, meta in shapes.items():
+        if len(meta.size) == 2 and any(part in name for part in ("embed_tokens", "wte", "embed_in", "tok")):
+            return int(meta.size[0])
+    return 256
 
 
 def _bytes(meta: TensorStorageMetadata) -> int:
