@@ -51,8 +51,19 @@ def fragile_run(tmp_path_factory: pytest.TempPathFactory, custom_model_run: Path
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, trained_run, custom_model_run, fragile_run) -> list[ServerProcess]:
-    main = [str(trained_run), f"custom={custom_model_run}", f"fragile={fragile_run}", "--pin", "tiny",
+def hf_folder(tmp_path_factory, trained_run) -> Path:
+    """The trained run as a Hugging Face folder (``ckpt export --format hf``): GPT2LMHeadModel."""
+    from meshyard.checkpoint.hf_export import export_hugging_face
+    from meshyard.checkpoint.locate import locate
+
+    return export_hugging_face(locate(str(trained_run), {}), tmp_path_factory.mktemp("hf") / "gpt2",
+                               report=lambda message: None)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, trained_run, custom_model_run, fragile_run, hf_folder) -> list[ServerProcess]:
+    main = [str(trained_run), f"custom={custom_model_run}", f"fragile={fragile_run}", f"gpt2={hf_folder}",
+            "--pin", "tiny",
             "--serve.max_batch_size=8", "--serve.max_queue=16", "--serve.max_wait_ms=50",
             "--serve.max_body_bytes=4096", "--serve.max_new_tokens=48", "--serve.threads=1"]
     stuck = [f"custom={custom_model_run}", "--pin", "custom", "--cache", "off", "--serve.max_batch_size=4",
@@ -96,7 +107,8 @@ def test_health_readiness_and_the_model_listing(main, engines, trained_run):
         assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").json() == {"ready": True}  # the pinned model is loaded
         listed = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
-    assert set(listed) == {"tiny", "custom", "fragile"}
+    assert set(listed) == {"tiny", "custom", "fragile", "gpt2"}
+    assert listed["gpt2"]["version"].startswith("hf.") and listed["gpt2"]["bytes"] > 0
     tiny = listed["tiny"]
     assert tiny == {"name": "tiny", "version": describe(str(trained_run)).version, "loaded": True,
                     "bytes": engines["tiny"].bytes, "pinned": True, "weight": 1.0}
@@ -137,6 +149,13 @@ def test_logits_are_the_models_next_token_log_probabilities(main, engines):
     for row, want in zip(top, expected):
         assert [i for i, _ in row] == want.topk(3).indices.tolist()
         assert [v for _, v in row] == pytest.approx(want.topk(3).values.tolist(), abs=1e-5)
+
+
+def test_a_hugging_face_folder_serves_the_logits_of_the_run_it_was_exported_from(main, engines):
+    sequences = [[72, 101, 108], [108]]
+    got = torch.tensor(post(main, "/v1/models/gpt2/logits", {"sequences": sequences}).json()["logprobs"])
+    expected = torch.log_softmax(engines["tiny"].next_token_logits(sequences), dim=-1)
+    assert got.shape == (2, 256) and torch.allclose(got, expected, atol=1e-5)
 
 
 def test_a_users_own_model_serves_logits_on_token_ids(main, engines):

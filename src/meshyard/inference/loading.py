@@ -8,7 +8,9 @@ A path is one of:
   folder's newest valid one, with the config of the run directory that holds them (else
   the config the checkpoint's manifest recorded);
 - a file: a model written by ``meshyard export``, described and loaded by
-  ``meshyard.inference.runtimes``.
+  ``meshyard.inference.runtimes``;
+- a Hugging Face model folder (``meshyard ckpt export --format hf`` writes one), described
+  and loaded by ``meshyard.inference.hf_folder``.
 
 ``describe`` reads configs and manifests only, so a server can list and route every
 model before loading any. Its version names exactly the checkpoint it found, and
@@ -34,6 +36,7 @@ from meshyard.config.load import ConfigError, config_from_dict, load_config
 from meshyard.config.sections import Config, DataConfig, ModelConfig
 from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.inference.engine import EagerEngine, Engine
+from meshyard.inference.hf_folder import describe_hf_folder, is_hf_folder, load_hf_engine
 from meshyard.inference.runtimes import describe_export, load_export_engine
 from meshyard.inference.source import KINDS, ModelSource, ModelSourceError, build_served_model
 from meshyard.inference.tokenizer import BYTE_SOURCES, Tokenizer, tokenizer_for
@@ -55,6 +58,8 @@ def describe(path: str, name: str | None = None) -> ModelSource:
         return describe_export(path, name)
     if not target.exists():
         raise ModelSourceError(f"{path} does not exist; {KINDS}")
+    if is_hf_folder(target):
+        return describe_hf_folder(path, name)
     ref = _checkpoint_of(path)
     config, run_dir = _config_of(target, ref)
     tokenizer = tokenizer_for(config.data, run_dir)
@@ -71,6 +76,12 @@ def load_engine(source: ModelSource, runtime: str = "eager", device: str | torch
     ``EagerEngine`` (the model built from the run's config, its weights loaded) on ``device``."""
     if not source.checkpoint and Path(source.path).expanduser().is_file():
         return load_export_engine(source, runtime)
+    hf_folder = not source.checkpoint and is_hf_folder(Path(source.path).expanduser())
+    if hf_folder and runtime == "eager":
+        return load_hf_engine(source, device)
+    if hf_folder:
+        raise ModelSourceError(f"{source.path} is a Hugging Face model folder, which runs only in the 'eager' runtime, "
+                               f"not '{runtime}'; serve it with --runtime eager")
     if runtime != "eager":
         raise ModelSourceError(
             f"{source.path} is a checkpoint, which runs only in the 'eager' runtime, not '{runtime}'; export "

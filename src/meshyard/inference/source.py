@@ -19,7 +19,8 @@ from meshyard.plugins import PluginError
 from meshyard.run_dir import RunDir
 
 KINDS = (f"give a run directory (it holds {RunDir.CONFIG} and {RunDir.CHECKPOINTS}/), one of its checkpoints "
-         f"(.../{RunDir.CHECKPOINTS}/step-NNNNNNNN), or a file written by 'meshyard export'")
+         f"(.../{RunDir.CHECKPOINTS}/step-NNNNNNNN), a file written by 'meshyard export', or a Hugging Face model "
+         "folder (config.json and safetensors weights)")
 
 
 class ModelSourceError(BadInput, ValueError):
