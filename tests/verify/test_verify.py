@@ -118,3 +118,12 @@ def test_report_fails_on_any_threshold(tmp_path):
     assert not VerifyReport("fp32", tol, "x", steps=[{**step, "loss_rel": 1e-3}]).passed
     assert not VerifyReport("fp32", tol, "x", steps=[step], max_param_diff=1.0).passed
     assert not VerifyReport("fp32", tol, "x", steps=[step], missing=["blocks.0.attn.qkv.weight"]).passed
+
+
+def test_randomness_beyond_dropout_is_said_not_hidden(tmp_path):
+    from meshyard.verify.compare import randomness_notes
+
+    noisy = tiny_config(tmp_path, "--model.name=tests/verify/noisy_model.py:build")
+    [note] = randomness_notes(noisy)
+    assert note.startswith("the model's forward is random in training even with dropout off")
+    assert randomness_notes(tiny_config(tmp_path, "--model.dropout=0.1")) == []  # dropout alone: switched off

@@ -121,6 +121,45 @@ def dropout_notes(cfg: Config) -> list[str]:
             "streams, so with it on the losses differ by design; set model.no_dropout = true to train so)"]
 
 
+RANDOMNESS_CHECK_PARAMETERS = 50_000_000
+"""Models up to this size are run twice on one batch (in training mode, dropout off) to
+find randomness other than dropout; larger ones are not built in full for that."""
+
+
+def randomness_notes(cfg: Config) -> list[str]:
+    """A line for the report when the model's forward is random in training even with its
+    dropout off (noise, sampling, random masks): two forwards of one batch under different
+    random seeds differ, and so will the runs compared. [] when they agree, or when the
+    model is too large (``RANDOMNESS_CHECK_PARAMETERS``) or cannot be built here."""
+    from meshyard.data.corpus import BYTE_VOCAB
+    from meshyard.models.outputs import logits_of
+    from meshyard.models.registry import build_model
+
+    model_cfg = dataclasses.replace(cfg.model, no_dropout=True)
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size or BYTE_VOCAB
+    try:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in build_model(model_cfg, vocab, cfg.data.seq_len).parameters())
+        if size > RANDOMNESS_CHECK_PARAMETERS:
+            return []
+        torch.manual_seed(0)
+        model = build_model(model_cfg, vocab, cfg.data.seq_len).train()
+        tokens = torch.randint(0, vocab, (2, min(cfg.data.seq_len, 16)), generator=torch.Generator().manual_seed(0))
+        outputs = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                outputs.append(logits_of(model(tokens)).float())
+    except Exception:  # noqa: BLE001 - a model that cannot run here is the runs' to report
+        return []
+    difference = (outputs[0] - outputs[1]).abs().max().item()
+    if difference == 0:
+        return []
+    return [f"the model's forward is random in training even with dropout off (two forwards of one batch under "
+            f"different seeds differ by up to {difference:.2e}), so the runs compared differ by that too; make the "
+            "forward deterministic in training (or behind a flag) to verify the layout"]
+
+
 def _for_comparison(cfg: Config, steps: int, run_dir: Path) -> Config:
     """Same job, ``steps`` long, dropout off (the model's own rates too), a final
     synchronous checkpoint, own run dir."""
@@ -185,7 +224,7 @@ def verify_layout(cfg: Config, nproc: int, steps: int = 5, workdir: str | Path |
     batch = checked.batch
     precision, tolerance = tolerance_for(cfg.run, cfg.precision)
     report = VerifyReport(precision, tolerance, describe_layout(layout_cfg.parallel, nproc, checked.dims),
-                          notes=dropout_notes(cfg))
+                          notes=dropout_notes(cfg) + randomness_notes(cfg))
     with tempfile.TemporaryDirectory(prefix="meshyard-verify-") as scratch:
         root = Path(workdir) if workdir else Path(scratch)
         single_cfg = _for_comparison(single_process(cfg, batch.micro_batch), steps, root / "single")
