@@ -70,6 +70,13 @@ def test_top_k_zero_or_above_the_vocabulary_keeps_every_id():
         assert seen == {0, 1, 2, 3}
 
 
+def test_top_p_keeps_the_smallest_set_of_ids_that_reaches_its_mass():
+    row = torch.log(torch.tensor([0.1, 0.5, 0.3, 0.05, 0.05]))
+    assert set(draws(row, Sampling(temperature=1.0, top_p=0.4, seed=1), 200)) == {1}  # the likeliest alone reaches it
+    assert set(draws(row, Sampling(temperature=1.0, top_p=0.75, seed=1), 400)) == {1, 2}
+    assert set(draws(row, Sampling(temperature=1.0, top_p=0.85, seed=1), 400)) == {0, 1, 2}
+
+
 def test_wrong_shapes_are_refused():
     with pytest.raises(ValueError, match="one Sampling and one generator per row"):
         next_tokens(LOGITS, [Sampling()], [None, None])

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, TypeVar
@@ -196,6 +197,25 @@ def test_expired_and_disconnected_requests_leave_and_free_their_slot(engine, exe
         return [tokens, await batcher.submit(short, later())]
 
     assert run(scenario()) == [alone(engine, *short)] * 2
+
+
+def test_a_stream_gives_each_steps_tokens_and_leaving_it_frees_the_slot(engine, executor):
+    long, short = (prompt(5, 42), Sampling(max_new_tokens=30)), (prompt(3, 43), Sampling(max_new_tokens=4))
+
+    async def scenario() -> tuple[list[list[int]], list[int], int]:
+        steps = Steps()
+        batcher = ContinuousBatcher(engine, max_batch_size=1, max_queue=4, executor=executor, on_step=steps)
+        parts = [tokens async for tokens in batcher.stream(short, later())]
+        async with contextlib.aclosing(batcher.stream(long, later())) as leaving:
+            await anext(leaving)  # the reader stops after the first step: a stop string met, a client gone
+        before = len(steps.sizes)
+        tokens = await batcher.submit(short, later())  # the slot is free at the next step
+        return parts, tokens, len(steps.sizes) - before
+
+    parts, tokens, steps_taken = run(scenario())
+    assert [len(part) for part in parts] == [2, 1, 1]  # the prefilling step also decodes
+    assert sum(parts, []) == tokens == alone(engine, *short)
+    assert steps_taken == 3  # the short request's own steps only: the long one left at once
 
 
 def test_bad_prompts_and_failing_forwards_fail_alone(engine, executor):

@@ -1,5 +1,5 @@
 """How a completion is drawn (``Sampling``), and choosing each row's next token from its
-logits: greedy, or drawn with temperature and top-k.
+logits: greedy, or drawn with temperature, top-k and top-p (nucleus).
 
 Every row draws from its own generator (seeded from the request), so what a request gets
 never depends on which other requests shared its batch or in what order they came.
@@ -15,13 +15,15 @@ import torch
 @dataclass(frozen=True)
 class Sampling:
     """How one completion is drawn. ``temperature`` 0 is greedy; ``top_k`` 0 keeps the whole
-    vocabulary; a ``seed`` makes sampling repeatable (each request draws from its own
+    vocabulary; ``top_p`` below 1 keeps the fewest most likely ids whose probabilities sum
+    to at least ``top_p`` (after top-k); a ``seed`` makes sampling repeatable (each request draws from its own
     generator, so a request's tokens do not depend on what it was batched with)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
     seed: int | None = None
+    top_p: float = 1.0
 
     @property
     def deterministic(self) -> bool:
@@ -45,7 +47,7 @@ def next_tokens(logits: torch.Tensor, sampling: list[Sampling],
 
     Row i is the argmax when ``sampling[i].temperature`` is 0; otherwise it is drawn from
     softmax(logits / temperature) restricted to the ``top_k`` largest logits (all of them
-    for top_k 0), with ``generators[i]``. Only ids below ``vocab_size`` are chosen: the
+    for top_k 0) and then to the nucleus of mass ``top_p``, with ``generators[i]``. Only ids below ``vocab_size`` are chosen: the
     ids of a vocabulary padded for speed (``model.pad_vocab_multiple``) are no tokens.
     """
     if logits.dim() != 2 or len(sampling) != logits.shape[0] or len(generators) != logits.shape[0]:
@@ -65,5 +67,9 @@ def _choose(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
     k = row.shape[0] if sampling.top_k <= 0 else min(sampling.top_k, row.shape[0])
     values, ids = torch.topk(row / sampling.temperature, k)
     probs = torch.softmax(values, dim=0)
+    if sampling.top_p < 1.0:
+        # values are sorted: keep each id whose predecessors' mass is below top_p (the first always).
+        before = torch.cumsum(probs, dim=0) - probs
+        probs = torch.where(before < sampling.top_p, probs, torch.zeros_like(probs))
     pick = torch.multinomial(probs, 1, generator=generator)
     return int(ids[pick])

@@ -6,6 +6,7 @@ header) -> prediction cache (deterministic requests only) -> the model, loaded o
 (``ModelCache``; held in use so it is never evicted while the request waits) -> the batcher
 of that model version and endpoint, which runs batches in the single inference thread ->
 the answer, stored in the prediction cache. Every failure becomes ``{"error": paragraph}``
+(OpenAI's error object on the OpenAI-compatible routes of ``meshyard.serve.openai_api``)
 with its status; an unexpected one is a 500 whose traceback goes to the server's log, and
 the server goes on answering.
 """
@@ -16,16 +17,12 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from meshyard.config.sections import ServeConfig
 from meshyard.inference.engine import Engine
@@ -77,6 +74,7 @@ class Server:
         self.lanes: dict[tuple[str, str, str], Lane] = {}
         self._closing: set[asyncio.Task] = set()
         self.startup_problem = ""
+        self.started_at = int(time.time())  # the "created" of the OpenAI model listing
 
     def pinned_sources(self) -> list[ModelSource]:
         """Every version of the pinned names."""
@@ -190,27 +188,30 @@ class Exchange:
     version: str = ""
 
 
-Work = Callable[[Server, Request, Exchange], Awaitable[dict[str, Any]]]
+Work = Callable[[Server, Request, Exchange], Awaitable[dict[str, Any] | Response]]
 
 
-async def answer(server: Server, request: Request, endpoint: str, work: Work) -> Response:
-    """Runs ``work`` for a model endpoint and turns its result or failure into a response,
-    recording the request's metrics; nothing raised here reaches uvicorn."""
+async def answer(server: Server, request: Request, endpoint: str, work: Work,
+                 errors: Callable[[ServeError], Response] | None = None) -> Response:
+    """Runs ``work`` for a model endpoint and turns its result (a JSON object, or a response
+    such as a stream) or failure into a response, the failure through ``errors`` (default
+    ``error_response``), recording the request's metrics; nothing raised here reaches uvicorn."""
     started = time.monotonic()
     exchange = Exchange(endpoint)
+    errors = errors or error_response
     with server.metrics.in_flight():
         try:
-            response: Response = JSONResponse(await work(server, request, exchange))
+            result = await work(server, request, exchange)
+            response = result if isinstance(result, Response) else JSONResponse(result)
         except ServeError as exc:
-            response = error_response(exc)
+            response = errors(exc)
             reason = rejection(exc)
             if reason is not None:
                 server.metrics.rejected(exchange.model, exchange.version, reason)
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
-            response = JSONResponse({"error": "the server failed to answer this request (an internal error, "
-                                     "logged with its traceback); try again, and report it if it persists"},
-                                    status_code=500)
+            response = errors(ServeError("the server failed to answer this request (an internal error, logged "
+                                         "with its traceback); try again, and report it if it persists"))
     if exchange.version:
         response.headers[VERSION_HEADER] = exchange.version
     server.metrics.observe_request(exchange.model, exchange.version, endpoint, response.status_code,
@@ -310,11 +311,14 @@ async def all_or_none(waits: list[Awaitable[Any]]) -> list[Any]:
 
 
 async def models(server: Server, request: Request) -> Response:
-    """``GET /v1/models``: every served version, whether it is loaded, its bytes and share."""
+    """``GET /v1/models``: every served version, whether it is loaded, its bytes and share;
+    beside them OpenAI's list of the served names (``object`` and ``data``)."""
     listed = [{"name": source.name, "version": source.version, "loaded": server.models.loaded(source),
                "bytes": server.models.bytes_of(source), "pinned": source.name in server.cfg.pinned,
                "weight": weight} for source, weight in server.router.listing()]
-    return JSONResponse({"models": listed})
+    openai = [{"id": name, "object": "model", "created": server.started_at, "owned_by": "meshyard"}
+              for name in server.router.names()]
+    return JSONResponse({"models": listed, "object": "list", "data": openai})
 
 
 async def readyz(server: Server, request: Request) -> Response:
@@ -330,48 +334,3 @@ async def metrics(server: Server, request: Request) -> Response:
     """The Prometheus text of every metric."""
     body, content_type = server.metrics.render()
     return Response(body, media_type=content_type)
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (no such route, wrong method) as JSON errors."""
-    status = getattr(exc, "status_code", 500)
-    text = {404: f"there is no route {request.url.path}; the server answers POST /v1/models/NAME/generate, "
-            "POST /v1/models/NAME/logits, GET /v1/models, /healthz, /readyz and /metrics",
-            405: f"{request.method} is not accepted on {request.url.path}; see GET /v1/models for the models "
-            "and POST /v1/models/NAME/generate or /logits to ask one"}.get(status, str(getattr(exc, "detail", exc)))
-    return JSONResponse({"error": text}, status_code=status)
-
-
-def build_app(server: Server) -> Starlette:
-    """The ASGI application of ``server``; its lifespan loads the pinned models in the
-    background (``/readyz`` answers 503 until they are in) and closes the server's parts."""
-
-    def model_route(endpoint: str, work: Work) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            return await answer(server, request, endpoint, work)
-        return route
-
-    def plain(handler: Callable[[Server, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            return await handler(server, request)
-        return route
-
-    async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True})
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loading = asyncio.create_task(server.start())
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await server.close()
-
-    routes = [Route("/v1/models/{name}/generate", model_route("generate", generate), methods=["POST"]),
-              Route("/v1/models/{name}/logits", model_route("logits", logits), methods=["POST"]),
-              Route("/v1/models", plain(models), methods=["GET"]),
-              Route("/healthz", healthz, methods=["GET"]),
-              Route("/readyz", plain(readyz), methods=["GET"]),
-              Route("/metrics", plain(metrics), methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

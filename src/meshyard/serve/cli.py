@@ -210,7 +210,8 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
         require(module, "meshyard serve" if module != "redis" else f"serve.cache = '{cfg.cache}'")
     router = routes(args, cfg)
     sock = listen(cfg.host, cfg.port)
-    from meshyard.serve.app import Server, build_app
+    from meshyard.serve.app import Server
+    from meshyard.serve.routes import build_app
 
     # serve.threads is set on the inference thread, where every model call runs (Server).
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

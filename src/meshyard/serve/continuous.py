@@ -12,6 +12,9 @@ background task repeats:
 4. finish the rows that have their ``max_new_tokens``: their callers get the tokens at once
    and their slots go to the next waiting requests.
 
+``stream`` gives a request's tokens as each step makes them; a caller that stops reading
+(a stop string met, a client gone) gives up its slot before the next step.
+
 Each step runs in the server's inference executor, never on the event loop. A row's tokens
 equal what ``generate`` gives for it alone: greedy rows exactly, sampled rows too since each
 draws from its own generator.
@@ -26,7 +29,7 @@ import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 
@@ -59,6 +62,8 @@ class _Request:
     generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
     failure: Exception | None = None  # its prefill failed (only this request fails)
+    updates: asyncio.Queue | None = None  # a streamed request's new tokens, then None at its end
+    sent: int = 0  # how many of its tokens went into ``updates``
 
     @property
     def done(self) -> bool:
@@ -129,6 +134,30 @@ class ContinuousBatcher:
             self._abandon(request, ClientDisconnected("the caller stopped waiting"))
             raise
 
+    async def stream(self, item: GenerateItem, deadline: float,
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[list[int]]:
+        """The new tokens of ``item`` as the steps make them (a list per step: two tokens from
+        the step that prefills it, one from each step after), refused and failed as ``submit``. Closing the iterator early (with
+        ``contextlib.aclosing``) abandons the request: its slot is free at the next step."""
+        request = self._enqueue(item, deadline, is_disconnected, streamed=True)
+        if request.done:  # nothing to generate: never queued
+            return
+        try:
+            while True:
+                try:
+                    tokens = await asyncio.wait_for(request.updates.get(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    self._abandon(request, self._expired(request))
+                    break
+                if tokens is None:  # answered, failed or shut down
+                    break
+                yield tokens
+            error = request.future.exception()
+            if error is not None:
+                raise error
+        finally:
+            self._abandon(request, ClientDisconnected("the caller stopped reading its stream"))
+
     async def close(self) -> None:
         """Fail what waits or runs with Unavailable and stop the background task."""
         self._closed = True
@@ -142,7 +171,7 @@ class ContinuousBatcher:
     # -- submission ---------------------------------------------------------------------
 
     def _enqueue(self, item: GenerateItem, deadline: float,
-                 is_disconnected: Callable[[], Awaitable[bool]] | None) -> _Request:
+                 is_disconnected: Callable[[], Awaitable[bool]] | None, streamed: bool = False) -> _Request:
         """Validate, refuse when full or late, queue, and make sure the loop runs."""
         prompt, sampling = list(item[0]), item[1]
         try:
@@ -158,7 +187,8 @@ class ContinuousBatcher:
                             f"running slots (serve.max_queue = {self.max_queue}): retry after the Retry-After "
                             "delay, or add replicas", retry_after_s=self._retry_after_s())
         future = asyncio.get_running_loop().create_future()
-        request = _Request(prompt, sampling, deadline, is_disconnected, future)
+        request = _Request(prompt, sampling, deadline, is_disconnected, future,
+                           updates=asyncio.Queue() if streamed else None)
         if time.monotonic() >= deadline:
             raise self._expired(request)
         if request.done:  # nothing to generate: no slot needed
@@ -214,6 +244,8 @@ class ContinuousBatcher:
         self._last_step_s = time.monotonic() - started
         for request in admitted:
             call_hook(self._on_queue_wait, max(0.0, started - request.submitted_at))
+        for request in self._running:
+            self._send(request)
         for request in [r for r in self._running if r.done or r.failure is not None]:
             if request.failure is not None:
                 self._resolve(request, error=Unavailable(f"generation failed: {request.failure}"))
@@ -285,14 +317,25 @@ class ContinuousBatcher:
         for request, token in zip(rows, chosen.tolist()):
             request.tokens.append(token)
 
+    @staticmethod
+    def _send(request: _Request) -> None:
+        """A streamed request's tokens that its reader has not had yet."""
+        if request.updates is not None and request.sent < len(request.tokens):
+            request.updates.put_nowait(request.tokens[request.sent:])
+            request.sent = len(request.tokens)
+
     def _resolve(self, request: _Request, *, result: list[int] | None = None,
                  error: ServeError | None = None) -> None:
-        """Answer the caller (unless it already left) and free the request's place."""
+        """Answer the caller (unless it already left) and free the request's place; a stream's
+        reader gets its end."""
         if not request.future.done():
             if error is None:
                 request.future.set_result(result)
             else:
                 self._abandon(request, error)
+        if request.updates is not None:
+            self._send(request)
+            request.updates.put_nowait(None)
         self._remove(request)
 
     def _remove(self, request: _Request) -> None:

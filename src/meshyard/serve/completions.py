@@ -1,0 +1,183 @@
+"""What an OpenAI-compatible completions request asks for, and the text of its completions.
+
+``parse_completion`` checks a ``POST /v1/completions`` body as ``meshyard.serve.requests``
+checks a generate body (one paragraph per problem: 400 malformed, 413 too large, 422
+invalid; nothing reaches a model). ``TextStream`` turns a completion's tokens, as they come,
+into the text a client may already see: text that could still become a stop string, or
+a character whose bytes are not all there yet, is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from meshyard.config.sections import ServeConfig
+from meshyard.inference.sampling import Sampling
+from meshyard.serve.requests import DEFAULT_NEW_TOKENS, _check_fields, _encoded, _ids, _number, _sampling, \
+    _timeout, _whole, bad, shown
+from meshyard.serve.types import BadRequest
+
+if TYPE_CHECKING:
+    from meshyard.inference.source import ModelSource
+    from meshyard.inference.tokenizer import Tokenizer
+
+COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                     "logprobs", "echo", "stream", "stream_options", "user", "timeout_ms")
+"""Fields a completions request may carry (``top_k`` and ``timeout_ms`` are meshyard's)."""
+MAX_STOPS = 4  # as OpenAI's API
+MAX_LOGPROBS = 5  # as OpenAI's API
+UNDECIDED = "\ufffd"  # what a tokenizer decodes an incomplete character to
+
+
+@dataclass(frozen=True)
+class CompletionCall:
+    """A checked completions request: one prompt per entry of ``prompts`` (ids), ``n``
+    completions of each, how to draw them and what to return."""
+
+    prompts: list[list[int]]
+    texts: list[str]  # each prompt as text (for echo)
+    n: int
+    sampling: Sampling
+    stop: list[str]
+    logprobs: int | None
+    echo: bool
+    stream: bool
+    include_usage: bool
+    timeout_s: float
+
+    def choices(self) -> list[tuple[int, list[int], Sampling]]:
+        """(index, prompt, sampling) of every choice, prompt-major as OpenAI numbers them; a
+        seeded request's choices draw with seeds seed, seed + 1, ... so they differ."""
+        out = []
+        for p, prompt in enumerate(self.prompts):
+            for j in range(self.n):
+                seed = None if self.sampling.seed is None else self.sampling.seed + j
+                out.append((p * self.n + j, prompt, replace(self.sampling, seed=seed)))
+        return out
+
+
+def parse_completion(payload: dict[str, Any], source: ModelSource, cfg: ServeConfig) -> CompletionCall:
+    """A completions request's JSON object, checked against ``source`` and the server's limits."""
+    _check_fields(payload, COMPLETION_FIELDS, "completions")
+    if source.tokenizer is None:
+        raise bad(f"model '{source.name}' has no tokenizer (it takes and gives token ids only), so it cannot "
+                  f"answer text completions; ask POST /v1/models/{source.name}/generate with \"tokens\"", 400)
+    prompts = _prompts(payload.get("prompt"), source)
+    n = _whole(payload, "n", 1, 1, cfg.max_queue, "completions per prompt; serve.max_queue is the upper limit")
+    if len(prompts) * n > cfg.max_queue:
+        raise bad(f"{len(prompts)} prompts with n = {n} make {len(prompts) * n} completions, over the server's "
+                  f"serve.max_queue ({cfg.max_queue}); send fewer prompts or a smaller n")
+    renamed = {"max_new_tokens": payload.get("max_tokens", min(DEFAULT_NEW_TOKENS, cfg.max_new_tokens)),
+               **{key: payload[key] for key in ("temperature", "top_k", "seed") if key in payload}}
+    try:
+        sampling = _sampling(renamed, cfg)
+    except BadRequest as exc:  # the messages name max_new_tokens: say max_tokens
+        exc.message = exc.message.replace("max_new_tokens", "max_tokens")
+        raise
+    top_p = _number(payload, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise bad(f"top_p = {shown(payload['top_p'])} is not accepted: it must be above 0 and at most 1")
+    sampling = replace(sampling, top_p=top_p)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + sampling.max_new_tokens > source.context_length:
+            room = source.context_length - len(prompt)
+            fix = (f"ask for at most {room} tokens (max_tokens) or shorten the prompt" if room > 0
+                   else f"shorten the prompt to at most {source.context_length - 1} tokens")
+            raise bad(f"prompt {i} has {len(prompt)} tokens and max_tokens is {sampling.max_new_tokens}, over the "
+                      f"context of model '{source.name}' ({source.context_length} tokens); {fix}")
+    stream_options = payload.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+        raise bad(f"stream_options = {shown(stream_options)} is not accepted: the server takes "
+                  "{\"include_usage\": true or false}")
+    return CompletionCall(prompts=prompts, texts=[source.tokenizer.decode(p) for p in prompts], n=n,
+                          sampling=sampling, stop=_stops(payload.get("stop")),
+                          logprobs=_logprobs(payload), echo=_flag(payload, "echo"), stream=_flag(payload, "stream"),
+                          include_usage=bool(stream_options.get("include_usage")), timeout_s=_timeout(payload, cfg))
+
+
+def _prompts(value: Any, source: ModelSource) -> list[list[int]]:
+    """The prompt as OpenAI takes it: a text, a list of texts, a list of ids or a list of
+    lists of ids; each becomes one prompt of ids."""
+    if isinstance(value, str):
+        return [_encoded(value, "prompt", source, "prompt (as token ids)")]
+    if isinstance(value, list) and value and all(isinstance(item, int) and not isinstance(item, bool)
+                                                 for item in value):
+        return [_ids(value, "prompt", source)]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return [_encoded(item, f"prompt[{i}]", source, "prompt (as token ids)") for i, item in enumerate(value)]
+    if isinstance(value, list) and value and all(isinstance(item, list) for item in value):
+        return [_ids(item, f"prompt[{i}]", source) for i, item in enumerate(value)]
+    raise bad(f"prompt = {shown(value)} is not accepted: send a text, a list of texts, a list of token ids or a "
+              "list of lists of token ids (one completion per prompt)")
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise bad(f"stop = {shown(value)} is not accepted: it must be a non-empty string or a list of at most "
+                  f"{MAX_STOPS} of them")
+    return stops
+
+
+def _logprobs(payload: dict[str, Any]) -> int | None:
+    if payload.get("logprobs") is None:
+        return None
+    return _whole(payload, "logprobs", 0, 0, MAX_LOGPROBS, "how many most likely tokens to list per position")
+
+
+def _flag(payload: dict[str, Any], key: str) -> bool:
+    value = payload.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(f"{key} = {shown(value)} is not accepted: it must be true or false")
+    return value
+
+
+class TextStream:
+    """The text of one completion as its tokens come: ``add`` returns the text newly decided,
+    ``finish`` says why the completion ended ("stop" at a stop string, None while it goes on).
+    The text the deltas add up to is the completion's whole text, cut before its first stop
+    string, however the tokens were split into steps."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.finish: str | None = None
+
+    def add(self, tokens: list[int]) -> str:
+        """The text ``tokens`` decide, after those before."""
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens)
+        cuts = [i for i in (text.find(stop) for stop in self.stop) if i >= 0]
+        if cuts:
+            self.finish = "stop"
+            return self._delta(text[: min(cuts)])
+        return self._delta(text[: len(text) - self._held(text)])
+
+    def end(self) -> str:
+        """The text still held back once no token follows."""
+        return self._delta(self.tokenizer.decode(self.tokens))
+
+    def _held(self, text: str) -> int:
+        """How many characters at the end are undecided: an incomplete character, or the start
+        of a stop string."""
+        held = len(text) - len(text.rstrip(UNDECIDED))
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:size]):
+                    held = max(held, size)
+                    break
+        return held
+
+    def _delta(self, text: str) -> str:
+        # A subword tokenizer may re-decode earlier text differently: wait until it agrees again.
+        if not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta

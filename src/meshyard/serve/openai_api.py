@@ -1,0 +1,271 @@
+"""The OpenAI-compatible routes: ``POST /v1/completions`` (streamed as server-sent events on
+request) and ``POST /v1/chat/completions`` (the OpenAI fields of ``GET /v1/models`` are in
+``meshyard.serve.app``'s listing).
+
+A completions request is checked (``meshyard.serve.completions``), its model chosen as a
+generate request's is (the ``model`` field, and the ``X-Model-Version`` header), and each of
+its choices (n per prompt) goes to the model's generate batcher as one request. The
+continuous batcher gives a choice's tokens at every decoding step; the dynamic batcher runs
+a whole batch in one ``generate`` call, so a choice's tokens come at once when it ends.
+Each choice's text goes through a ``TextStream``; a choice that meets a stop string stops
+reading its tokens, which frees its slot in a continuous batch at the next step. A
+streamed request is answered once its first tokens are there, so a refusal before them
+(full queue, deadline) still gets its status; a failure after them ends the stream with
+an error event. Errors are OpenAI's error objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Awaitable
+
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from meshyard.inference.engine import Engine
+from meshyard.inference.sampling import Sampling
+from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
+from meshyard.serve.requests import bad, parse_json, read_body, shown
+from meshyard.serve.routing import VERSION_HEADER
+from meshyard.serve.types import BadRequest, DeadlineExceeded, NotFound, QueueFull, ServeError
+
+if TYPE_CHECKING:
+    from meshyard.inference.source import ModelSource
+    from meshyard.inference.tokenizer import Tokenizer
+    from meshyard.serve.app import Exchange, Lane, Server
+
+log = logging.getLogger("meshyard.serve")
+
+COMPLETIONS_EXAMPLE = '{"model": "tiny", "prompt": "Hello", "max_tokens": 16}'
+CHAT_EXAMPLE = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+               503: "overloaded_error", 504: "timeout_error"}
+LOWEST_LOGPROB = -1e30
+IsDisconnected = Callable[[], Awaitable[bool]]
+
+
+def error_object(exc: ServeError) -> dict[str, Any]:
+    """OpenAI's error object for ``exc``: its message, a type from its status, and a code."""
+    codes = {NotFound: "model_not_found", QueueFull: "queue_full", DeadlineExceeded: "deadline_exceeded",
+             BadRequest: "invalid_request"}
+    code = next((name for kind, name in codes.items() if isinstance(exc, kind)), None)
+    return {"error": {"message": exc.message, "type": ERROR_TYPES.get(exc.status, "server_error"),
+                      "param": None, "code": code}}
+
+
+def openai_error(exc: ServeError) -> JSONResponse:
+    """``exc`` as OpenAI's error object, with its status (and Retry-After for a full queue)."""
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+    return JSONResponse(error_object(exc), status_code=exc.status, headers=headers)
+
+
+async def _payload(server: Server, request: Request, example: str) -> dict[str, Any]:
+    body = await read_body(request.headers.get("content-length"), request.stream(), server.cfg.max_body_bytes)
+    return parse_json(body, example)
+
+
+def _choose(server: Server, request: Request, exchange: Exchange, payload: dict[str, Any]) -> ModelSource:
+    name = payload.get("model")
+    if not isinstance(name, str) or not name:
+        known = ", ".join(server.router.names())
+        raise bad(f"model = {shown(name)} is not accepted: name the model to ask (this server serves: {known})",
+                  400)
+    source = server.router.choose(name, request.headers.get(VERSION_HEADER) or None)
+    exchange.model, exchange.version = source.name, source.version
+    return source
+
+
+async def chat_completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
+    """``POST /v1/chat/completions``: refused, naming the model, while no served tokenizer
+    carries a chat template (meshyard's byte and tokenizer.json tokenizers have none)."""
+    source = _choose(server, request, exchange, await _payload(server, request, CHAT_EXAMPLE))
+    raise bad(f"model '{source.name}' has no chat template (its tokenizer carries none), so the server cannot "
+              "turn chat messages into its prompt; send the text as \"prompt\" to POST /v1/completions", 400)
+
+
+@dataclass
+class Event:
+    """A choice's progress: the text it adds, how many tokens that took, its logprobs part,
+    and its finish reason on its last event."""
+
+    index: int
+    text: str
+    tokens: int
+    finish: str | None = None
+    logprobs: dict[str, list[Any]] | None = None
+
+
+async def completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any] | Response:
+    """``POST /v1/completions``: OpenAI's completion object, or its chunks as server-sent events."""
+    payload = await _payload(server, request, COMPLETIONS_EXAMPLE)
+    source = _choose(server, request, exchange, payload)
+    call = parse_completion(payload, source, server.cfg)
+    deadline = time.monotonic() + call.timeout_s
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": source.name}
+    events = _events(server, source, call, deadline, request.is_disconnected)
+    if not call.stream:
+        async with aclosing(events):
+            return await _completion(head, call, events)
+    try:
+        first = await anext(events)  # a refusal before the first tokens still gets its status
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(_sse(head, call, first, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _completion(head: dict[str, Any], call: CompletionCall, events: AsyncIterator[Event]) -> dict[str, Any]:
+    """Every event of every choice, gathered into OpenAI's completion object."""
+    choices = {index: {"text": "", "index": index, "logprobs": None, "finish_reason": None}
+               for index, _, _ in call.choices()}
+    completion_tokens = 0
+    async for event in events:
+        choice = choices[event.index]
+        choice["text"] += event.text
+        completion_tokens += event.tokens
+        if event.logprobs is not None:
+            choice["logprobs"] = _joined(choice["logprobs"], event.logprobs)
+        choice["finish_reason"] = event.finish or choice["finish_reason"]
+    return {**head, "choices": [choices[index] for index in sorted(choices)],
+            "usage": _usage(call, completion_tokens)}
+
+
+def _joined(before: dict[str, list[Any]] | None, part: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return part if before is None else {key: before[key] + part[key] for key in before}
+
+
+def _usage(call: CompletionCall, completion_tokens: int) -> dict[str, int]:
+    prompt_tokens = sum(len(prompt) for prompt in call.prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _sse(head: dict[str, Any], call: CompletionCall, first: Event,
+               events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    """The stream's server-sent events: a chunk per event, the usage chunk when asked for,
+    then ``[DONE]``; a failure after the first chunk ends it with an error event."""
+    completion_tokens = 0
+    async with aclosing(events):
+        try:
+            event: Event | None = first
+            while event is not None:
+                completion_tokens += event.tokens
+                choice = {"text": event.text, "index": event.index, "logprobs": event.logprobs,
+                          "finish_reason": event.finish}
+                yield _data({**head, "choices": [choice], **({"usage": None} if call.include_usage else {})})
+                event = await anext(events, None)
+        except ServeError as exc:
+            yield _data(error_object(exc))
+            return
+        except Exception:  # noqa: BLE001 - the stream ends with an error event, the server goes on
+            log.exception("a streamed completion failed")
+            yield _data(error_object(ServeError("the server failed while streaming this completion (an internal "
+                                                "error, logged with its traceback); try again")))
+            return
+    if call.include_usage:
+        yield _data({**head, "choices": [], "usage": _usage(call, completion_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _events(server: Server, source: ModelSource, call: CompletionCall, deadline: float,
+                  is_disconnected: IsDisconnected) -> AsyncIterator[Event]:
+    """The events of every choice as they come (each choice runs as its own task); the first
+    failure of any choice is raised and stops the others."""
+    async with server.models.use(source) as engine:
+        if not engine.supports_generate:
+            raise bad(f"model '{source.name}' gives next-token distributions only and cannot complete text; "
+                      f"ask POST /v1/models/{source.name}/logits instead", 400)
+        lane = server.lane(source, "generate", engine)
+        queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(_choice(server, lane, engine, source.tokenizer, call, choice, deadline,
+                                             is_disconnected, queue)) for choice in call.choices()]
+        try:
+            going = len(tasks)
+            while going:
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                going -= event.finish is not None
+                yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokenizer, call: CompletionCall,
+                  choice: tuple[int, list[int], Sampling], deadline: float, is_disconnected: IsDisconnected,
+                  queue: asyncio.Queue) -> None:
+    """One choice: its tokens through its TextStream into ``queue`` as events, ending with
+    the one that carries its finish reason (or with the exception that ended it)."""
+    index, prompt, sampling = choice
+    text = TextStream(tokenizer, call.stop)
+    echo = call.texts[index // call.n] if call.echo else ""
+    offset = len(echo)
+    try:
+        async with aclosing(_tokens(lane, engine, prompt, sampling, deadline, is_disconnected)) as steps:
+            async for tokens in steps:
+                context = prompt + text.tokens
+                delta = text.add(tokens)
+                if text.finish is None and len(text.tokens) >= sampling.max_new_tokens:
+                    text.finish, delta = "length", delta + text.end()
+                logprobs = None
+                if call.logprobs is not None:
+                    logprobs = await _logprobs(server, engine, tokenizer, context, tokens, call.logprobs, offset)
+                    offset += sum(len(token) for token in logprobs["tokens"])
+                queue.put_nowait(Event(index, echo + delta, len(tokens), text.finish, logprobs))
+                echo = ""
+                if text.finish is not None:
+                    return  # leaving the stream frees the choice's slot at the next step
+        queue.put_nowait(Event(index, echo + text.end(), 0, "length"))
+    except Exception as exc:  # noqa: BLE001 - raised by _events to the request
+        queue.put_nowait(exc)
+
+
+async def _tokens(lane: Lane, engine: Engine, prompt: list[int], sampling: Sampling, deadline: float,
+                  is_disconnected: IsDisconnected) -> AsyncIterator[list[int]]:
+    """A choice's new tokens: at every step from a continuous batcher, all at once from a
+    dynamic one (its batch runs in one generate call)."""
+    if lane.engine is not None:
+        async with aclosing(lane.batcher.stream((prompt, sampling), deadline, is_disconnected)) as steps:
+            async for tokens in steps:
+                yield tokens
+    else:
+        yield await lane.batcher.submit((engine, prompt, sampling), deadline, is_disconnected)
+
+
+async def _logprobs(server: Server, engine: Engine, tokenizer: Tokenizer, context: list[int], tokens: list[int],
+                    top: int, offset: int) -> dict[str, list[Any]]:
+    """OpenAI's logprobs part for ``tokens`` that followed ``context``: one forward over the
+    prefixes, in the inference thread (the model's own distribution, before temperature)."""
+    def run() -> torch.Tensor:
+        prefixes = [context + tokens[:i] for i in range(len(tokens))]
+        logprobs = torch.log_softmax(engine.next_token_logits(prefixes), dim=-1)
+        return torch.nan_to_num(logprobs, neginf=LOWEST_LOGPROB)  # JSON has no -inf
+
+    rows = await asyncio.get_running_loop().run_in_executor(server.executor, run)
+    strings = [tokenizer.decode([token]) for token in tokens]
+    offsets, at = [], offset
+    for string in strings:
+        offsets.append(at)
+        at += len(string)
+    tops = []
+    for row in rows:
+        values, ids = torch.topk(row, top) if top else (row[:0], row[:0].long())
+        tops.append({tokenizer.decode([int(i)]): float(v) for i, v in zip(ids.tolist(), values.tolist())})
+    return {"tokens": strings, "token_logprobs": [float(rows[i, token]) for i, token in enumerate(tokens)],
+            "top_logprobs": tops, "text_offset": offsets}
