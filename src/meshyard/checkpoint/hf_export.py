@@ -25,13 +25,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshyard.checkpoint.locate import CheckpointRef
 from meshyard.checkpoint.manifest import verify
-from meshyard.checkpoint.tools import CheckpointToolError, read_full_state
+from meshyard.checkpoint.tools import CheckpointToolError, model_tensor_metadata, read_full_state
 from meshyard.config.load import ConfigError, config_from_dict
 from meshyard.config.sections import Config
 from meshyard.extras import require
 from meshyard.models.hf_auto import HF_MODEL
 from meshyard.models.hf_gpt2 import NotGPT2, gpt2_config, gpt2_name
 from meshyard.models.registry import build_model, gpt_shape
+from meshyard.parallel.tp_modules import tied_groups
 from meshyard.plugins import is_custom_reference
 from meshyard.run_dir import RunDir
 
@@ -56,7 +57,7 @@ def export_hugging_face(ref: CheckpointRef, out: Path, report: Callable[[str], N
     manifest, problem = verify(store, store.path(ref.name))
     if problem:
         raise CheckpointToolError(f"{store.url_of(ref.name)} is not valid: {problem}")
-    shapes = _model_shapes(ref)
+    shapes = model_tensor_metadata(ref)
     target = _target(_recorded_config(ref, manifest), shapes)
     stored = {name: renamed for name, renamed in target.names.items() if renamed is not None}
     shards = _shards(stored, shapes, max_shard_bytes)
@@ -107,14 +108,6 @@ def _recorded_config(ref: CheckpointRef, manifest: dict[str, Any]) -> Config:
                                   "export a checkpoint written by this version of meshyard") from None
 
 
-def _model_shapes(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
-    """The model's tensors in the checkpoint's DCP metadata (sizes and dtypes, no data)."""
-    store = ref.store()
-    metadata = store.dcp_reader(store.path(ref.name)).read_metadata()
-    return {key.removeprefix("model."): value for key, value in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
-
-
 def _target(cfg: Config, shapes: dict[str, TensorStorageMetadata]) -> _Target:
     """meshyard's GPT becomes GPT2LMHeadModel; a Hugging Face model keeps its architecture;
     other models are refused with the reason."""
@@ -143,29 +136,17 @@ def _hugging_face_target(cfg: Config, shapes: dict[str, TensorStorageMetadata]) 
         with torch.device("meta"):
             model = build_model(cfg.model, _vocab_of(cfg, shapes), cfg.model.context_length or cfg.data.seq_len)
     except Exception as exc:  # a builder that cannot run here (file moved, missing package)
-        raise CheckpointToolError(f"the run's model '{cfg.model.name}' cannot be built here to read its "
-                                  f"architecture ({(str(exc).splitlines() or [type(exc).__name__])[0]}); export it as one "
-                                  "file instead (--out model.safetensors)") from None
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CheckpointToolError(f"the run's model '{cfg.model.name}' cannot be built here to read its architecture "
+                                  f"({reason}); export it as one file instead (--out model.safetensors)") from None
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise CheckpointToolError(_NOT_EXPORTABLE.format(name=cfg.model.name))
     record = config.to_dict()
     record["architectures"] = [type(model).__name__]
     record.pop("use_cache", None)  # training switched it off; a loaded model decides for itself
-    tied = {first for first, second in _tied_pairs(model)}
+    tied = {name for names in tied_groups(model) for name in names[1:]}  # stored once, under the first
     return _Target(record, {key: (None if key in tied else (key, False)) for key in shapes})
-
-
-def _tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(later name, first name) of parameters that are one tensor under two names."""
-    seen: dict[int, str] = {}
-    pairs = []
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in seen:
-            pairs.append((name, seen[id(parameter)]))
-        else:
-            seen[id(parameter)] = name
-    return pairs
 
 
 def _vocab_of(cfg: Config, shapes: dict[str, TensorStorageMetadata]) -> int:

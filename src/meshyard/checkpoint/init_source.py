@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate
 from meshyard.checkpoint.model_file import INT8_LINEARS, TIED
+from meshyard.checkpoint.tools import model_tensor_metadata
 from meshyard.extras import require
 from meshyard.models.hf_auto import CONFIG_FILE, HF_MODEL, HFModelError, hf_config, hf_ties_embeddings, hf_vocab_size
 from meshyard.run_dir import RunDir
@@ -141,11 +142,8 @@ def _model_file(file: Path) -> InitSource:
 
 
 def _checkpoint(ref: CheckpointRef, path: str) -> InitSource:
-    store = ref.store()
-    metadata = store.dcp_reader(store.path(ref.name)).read_metadata()
-    tensors = {key.removeprefix("model."): TensorInfo(tuple(value.size), _dtype_name(value))
-               for key, value in metadata.state_dict_metadata.items()
-               if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+    tensors = {name: TensorInfo(tuple(value.size), _dtype_name(value))
+               for name, value in model_tensor_metadata(ref).items()}
     return InitSource("checkpoint", path, tensors, tied=_recorded_tie(ref.manifest), ref=ref)
 
 

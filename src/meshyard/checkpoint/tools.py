@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from meshyard.checkpoint.locate import CheckpointRef, Runs, find_checkpoints, locate
@@ -59,6 +60,15 @@ def read_full_state(ref: CheckpointRef, entries: set[str] | None = None) -> dict
     _load_state_dict(state, storage_reader=store.dcp_reader(store.path(ref.name)),
                      planner=_SafeFullStatePlanner(keys=entries), no_dist=True)
     return state
+
+
+def model_tensor_metadata(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors in the checkpoint's DCP metadata under their plain module names:
+    sizes and dtypes, no data."""
+    store = ref.store()
+    metadata = store.dcp_reader(store.path(ref.name)).read_metadata()
+    return {key.removeprefix("model."): value for key, value in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
 
 
 def model_state(ref: CheckpointRef) -> dict[str, torch.Tensor]:

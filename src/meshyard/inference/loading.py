@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshyard.checkpoint.locate import KINDS as LOCATE_KINDS
 from meshyard.checkpoint.locate import CheckpointRef, LocationError, locate
-from meshyard.checkpoint.tools import model_state
+from meshyard.checkpoint.tools import model_state, model_tensor_metadata
 from meshyard.config.load import ConfigError, config_from_dict, load_config
 from meshyard.config.sections import Config, DataConfig, ModelConfig
 from meshyard.data.corpus import BYTE_VOCAB
@@ -149,14 +149,11 @@ def _config_of(target: Path, ref: CheckpointRef) -> tuple[Config, Path | None]:
 def _model_tensors(ref: CheckpointRef) -> dict[str, TensorStorageMetadata]:
     """The model's tensors in the checkpoint's DCP metadata (shapes and dtypes, no data);
     empty when the metadata cannot be read."""
-    store = ref.store()
     try:
-        metadata = store.dcp_reader(store.path(ref.name)).read_metadata()
+        return model_tensor_metadata(ref)
     except Exception as exc:  # a damaged or foreign file: fall back to what else is known
         log.warning("cannot read the tensor metadata of %s: %s", ref.location, exc)
         return {}
-    return {key[len("model."):]: value for key, value in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
 
 
 def _estimated_bytes(ref: CheckpointRef, tied_embeddings: bool) -> int:

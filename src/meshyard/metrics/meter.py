@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from meshyard.metrics.memory import MemoryProbe
 from meshyard.metrics.ranks import RankWindow
 from meshyard.metrics.schema import OTHER_KEY, PHASE_KEYS
@@ -77,6 +75,3 @@ class StepMeter:
 def _memory_of(figures: dict[str, Any]) -> float:
     return float(figures.get("gpu_peak_reserved_bytes", figures.get("rss_bytes", 0)))
 
-
-def null_meter(device: torch.device) -> StepMeter:
-    return StepMeter(NullStepTimer(), MemoryProbe(device), None, None, None, 1)
