@@ -16,7 +16,11 @@ the contender that goes second there finds the compiler's caches warm, so read i
 rough figure. On CUDA the result is written to benchmarks/results/gpu-<date>.json; on CPU
 only with --out. On a CPU shared with other work, --threads 1 gives steadier figures.
 
-    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile]
+With --fsdp a third contender runs each round: the same meshyard job under
+``parallel.strategy = "fsdp"`` on the one device, so what sharding costs where there is
+nothing to shard is measured beside ``none`` (target: within 3%).
+
+    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
 """
 
@@ -186,14 +190,14 @@ def plain_run(args: argparse.Namespace, device: torch.device, reference_params: 
     return Outcome(tokens / (end - steady), steady - begin, peak_memory(device))
 
 
-def meshyard_overrides(args: argparse.Namespace, device: torch.device, run_dir: Path) -> list[str]:
+def meshyard_overrides(args: argparse.Namespace, device: torch.device, run_dir: Path, strategy: str) -> list[str]:
     # Enough random tokens that the measured steps never cross an epoch boundary.
     windows = math.ceil(args.steps * args.batch / 0.98) + 2
     random_tokens = max(1_048_576, windows * args.seq_len + 1)
     return [
         f"--model.name={args.model}", f"--model.vocab_size={args.vocab}", "--data.source=random",
         f"--data.vocab_size={args.vocab}", f"--data.random_tokens={random_tokens}", f"--data.seq_len={args.seq_len}",
-        f"--data.cache_dir={run_dir.parent / 'cache'}", "--parallel.strategy=none",
+        f"--data.cache_dir={run_dir.parent / 'cache'}", f"--parallel.strategy={strategy}",
         f"--train.compile={'true' if args.compile else 'false'}",
         f"--precision.dtype={'bf16' if device.type == 'cuda' else 'fp32'}", f"--run.device={device.type}",
         # meshyard limits a CPU rank to 1 thread by default; the plain loop uses the same count.
@@ -204,10 +208,10 @@ def meshyard_overrides(args: argparse.Namespace, device: torch.device, run_dir: 
     ]
 
 
-def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path) -> Outcome:
+def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, strategy: str) -> Outcome:
     """``meshyard.run`` in this process; wall time between its records' ``time`` stamps."""
     start_memory(device)
-    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir)), nproc=1)
+    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir, strategy)), nproc=1)
     records = result.metrics()
     if len(records) != args.steps:
         raise SystemExit(f"meshyard recorded {len(records)} steps, expected {args.steps} ({result.run_dir})")
@@ -217,6 +221,10 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path) 
     tokens = (args.steps - args.warmup) * args.batch * args.seq_len
     first = sum(r["step_time_s"] for r in records[: args.warmup])
     return Outcome(tokens / seconds, first, peak_memory(device))
+
+
+# Contender name -> meshyard's parallel.strategy (None: the plain loop).
+CONTENDERS = {"plain": None, "meshyard": "none", "fsdp": "fsdp"}
 
 
 def parse_args() -> tuple[argparse.Namespace, torch.device]:
@@ -234,10 +242,11 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads of both (default: torch's)")
+    parser.add_argument("--fsdp", action="store_true", help="also time meshyard under strategy fsdp")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
     # Internal: each contender's run is a fresh process, so neither inherits the other's
     # threads, allocator or compiled code; the driver reads its outcome back.
-    parser.add_argument("--contender", choices=["plain", "meshyard"], help=argparse.SUPPRESS)
+    parser.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     wanted = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
@@ -280,28 +289,35 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(device) if cuda else f"CPU, {args.threads} threads"
 
     if args.contender is not None:
-        outcome = (plain_run(args, device, reference_params) if args.contender == "plain"
-                   else meshyard_run(args, device, args.run_dir))
+        strategy = CONTENDERS[args.contender]
+        outcome = (plain_run(args, device, reference_params) if strategy is None
+                   else meshyard_run(args, device, args.run_dir, strategy))
         print(OUTCOME_PREFIX + json.dumps(asdict(outcome)), flush=True)
         return
 
-    runs: dict[str, list[Outcome]] = {"plain": [], "meshyard": []}
+    names = ["plain", "meshyard", "fsdp"] if args.fsdp else ["plain", "meshyard"]
+    runs: dict[str, list[Outcome]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
-            order = ["plain", "meshyard"] if round_index % 2 == 0 else ["meshyard", "plain"]
+            order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
                 runs[name].append(fresh_run(name, Path(workdir) / f"{name}{round_index}"))
-            plain_tps, ours_tps = runs["plain"][-1].tokens_per_s, runs["meshyard"][-1].tokens_per_s
-            print(f"round {round_index + 1} ({order[0]} first): plain {plain_tps:,.0f} tok/s, "
-                  f"meshyard {ours_tps:,.0f} tok/s, ratio {ours_tps / plain_tps:.4f}", flush=True)
+            plain_tps = runs["plain"][-1].tokens_per_s
+            figures = ", ".join(f"{name} {runs[name][-1].tokens_per_s:,.0f} tok/s" for name in names)
+            print(f"round {round_index + 1} ({order[0]} first): {figures}, ratio "
+                  f"{runs['meshyard'][-1].tokens_per_s / plain_tps:.4f}", flush=True)
 
-    ratio = statistics.median(m.tokens_per_s / p.tokens_per_s for p, m in zip(runs["plain"], runs["meshyard"]))
+    def median_ratio(name: str, baseline: str) -> float:
+        return statistics.median(o.tokens_per_s / b.tokens_per_s for b, o in zip(runs[baseline], runs[name]))
+
+    ratio = median_ratio("meshyard", "plain")
     summary = {}
     for name, outcomes in runs.items():
         tps = statistics.median(o.tokens_per_s for o in outcomes)
         memory = max((o.peak_memory_bytes for o in outcomes if o.peak_memory_bytes is not None), default=None)
         summary[name] = {"tokens_per_s": tps, "mfu": tps * flops_per_token / peak if peak else None,
-                         "vs_baseline": 1.0 if name == "plain" else ratio, "peak_memory_bytes": memory,
+                         "vs_baseline": 1.0 if name == "plain" else median_ratio(name, "plain"),
+                         "peak_memory_bytes": memory,
                          "compile_s": outcomes[0].first_steps_s,  # the first round's: cold compile caches
                          "rounds": [asdict(o) for o in outcomes]}
 
@@ -316,6 +332,9 @@ def main() -> None:
     peak_text = f"{peak / 1e12:.1f} TFLOP/s {'datasheet' if cuda else 'measured fp32 matmul'}" if peak else "unknown"
     print(f"FLOPs per token {flops_per_token / 1e6:.1f} M; peak {peak_text}")
     print(f"ratio meshyard / plain tokens/s (median of rounds): {ratio:.4f}")
+    fsdp_vs_none = median_ratio("fsdp", "meshyard") if args.fsdp else None
+    if fsdp_vs_none is not None:
+        print(f"ratio fsdp / none tokens/s (median of rounds): {fsdp_vs_none:.4f} (target: >= 0.97)")
     mfu = summary["meshyard"]["mfu"]
     if cuda:
         met = ratio >= 1.0 and mfu is not None and mfu >= 0.40
@@ -335,6 +354,7 @@ def main() -> None:
                        "dtype": str(dtype).removeprefix("torch."), "compile": args.compile, "steps": args.steps,
                        "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None},
             "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
+            "fsdp_vs_none": fsdp_vs_none,
             "contenders": summary,
         }, indent=2) + "\n")
         print(f"wrote {out}")
