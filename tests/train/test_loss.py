@@ -55,3 +55,26 @@ def test_fp32_logits_take_pytorchs_cross_entropy_unchanged():
     logits, targets = _logits_and_targets()
     assert torch.equal(next_token_loss(logits, targets), F.cross_entropy(logits, targets))
 
+
+
+def test_a_compiled_loss_is_pytorchs_cross_entropy_of_the_upcast_logits(monkeypatch):
+    """Traced by torch.compile, bf16 logits take F.cross_entropy of their fp32 upcast (which
+    inductor fuses into one kernel) instead of the chunk loop, with the same loss and gradient."""
+    logits, targets = _logits_and_targets(rows=64, vocab=96, dtype=torch.bfloat16)
+    targets[[5, 9]] = IGNORE_INDEX
+    eager = logits.clone().requires_grad_()
+    eager_loss = next_token_loss(eager, targets)
+    eager_loss.backward()
+
+    def no_chunks(*args):
+        raise AssertionError("the chunk loop ran inside a compiled region")
+
+    monkeypatch.setattr("meshyard.train.loss.chunked_cross_entropy", no_chunks)
+    torch._dynamo.reset()
+    compiled = logits.clone().requires_grad_()
+    compiled_loss = torch.compile(next_token_loss, backend="aot_eager", fullgraph=True)(compiled, targets)
+    compiled_loss.backward()
+    assert compiled_loss.dtype == torch.float32 and compiled.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(compiled.grad.float(), eager.grad.float(), rtol=1e-2, atol=1e-5)  # bf16 rounding
+    assert compiled.grad[[5, 9]].abs().max() == 0
