@@ -32,15 +32,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from meshyard.checkpoint.digests import DCP_METADATA, collect_records, digest_files, remove_records
 from meshyard.checkpoint.manifest import MANIFEST, build_manifest, owner, verify
 from meshyard.checkpoint.shared import require_shared_storage
+from meshyard.checkpoint.staging import HostStager
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
 from meshyard.runtime.distributed import rank0_decides
@@ -106,13 +107,13 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, store: CheckpointStore, rank: int,
                  report: Callable[[str], None] = print, facts: dict[str, Any] | None = None,
-                 run_id: str | None = None, pinned_staging: bool = False) -> None:
+                 run_id: str | None = None, device: torch.device | None = None) -> None:
         """``facts`` (world size, layout, config and its hash) go into every manifest.
         ``run_id`` (the same on every rank) marks this run's checkpoints; keep it across
         restarts of the run, or its older checkpoints count as another run's. Without
         one, every rank takes rank 0's new id (a collective: every rank constructs).
-        ``pinned_staging``: async saves copy GPU tensors into pinned host buffers with
-        non-blocking copies (needs CUDA)."""
+        ``device``: where the training state lives; on CUDA async saves copy it into pinned
+        host buffers on a side stream (checkpoint/staging.py)."""
         self.cfg = cfg
         self.facts = dict(facts or {})
         self.store = store
@@ -127,12 +128,10 @@ class CheckpointManager:
         # gloo group they cannot interleave with the training step's collectives.
         self._group = dist.new_group(backend="gloo") if cfg.async_save else None
         self._background = ThreadPoolExecutor(1, "meshyard-checkpoint") if cfg.async_save else None
-        # Async saves stage (copy the state off the device) on DCP's stager thread while the
+        # Async saves stage (copy the state off the device) on a background thread while the
         # next step's forward and backward run; its host buffers are kept from one save to
         # the next. The trainer waits for the copy before the optimizer changes the state.
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=pinned_staging, use_shared_memory=False, use_async_staging=True,
-            use_non_blocking_copy=pinned_staging)) if cfg.async_save else None
+        self._stager = HostStager(device or torch.device("cpu")) if cfg.async_save else None
         self._staging: Future | None = None
         rank0_decides(self._prepare_root)  # a failure there is raised on every rank, none left waiting
         # Before any save or load: ranks on nodes without a common folder are refused now,

@@ -305,7 +305,7 @@ def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelize
     manifest_facts = {**facts.manifest(), "config_hash": config_hash(cfg), "config": config_to_toml(cfg)}
     store = CheckpointStore(checkpoint_root(cfg.checkpoint, run_dir), cfg.checkpoint.storage_options)
     manager = CheckpointManager(cfg.checkpoint, store, runtime.rank, report, manifest_facts, run_id,
-                                pinned_staging=runtime.device.type == "cuda")
+                                device=runtime.device)
     return Checkpointer(manager, state, runtime.rank, cfg.checkpoint)
 
 
