@@ -14,8 +14,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 echo "== pytest -m gpu"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -15
-echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024)"
-python3 benchmarks/gpu_step.py --rounds 2 --out "$out/gpu_step.json" 2>&1 | tail -25
+echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024; none and fsdp against the plain loop)"
+python3 benchmarks/gpu_step.py --rounds 2 --fsdp --out "$out/gpu_step.json" 2>&1 | tail -25
 cp "$out/gpu_step.json" "benchmarks/results/gpu-$(date +%F).json" 2>/dev/null
 echo "== benchmarks/checkpoint.py (gpt2-124m, one process)"
-python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 2 2>&1 | tail -20
+python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 3 2>&1 | tail -20
