@@ -50,6 +50,12 @@ class RunDir:
     # name Hugging Face gives it, so a run directory is itself a tokenizer folder; it is
     # also the name looked for in a folder given as data.tokenizer.
     TOKENIZER: ClassVar[str] = "tokenizer.json"
+    # How chat messages become a prompt, under Hugging Face's names too: a Jinja file, or the
+    # "chat_template" (with "bos_token" and "eos_token") of tokenizer_config.json. A run has
+    # them only where the user put them beside its tokenizer; the server and the Hugging Face
+    # export read them from there.
+    CHAT_TEMPLATE: ClassVar[str] = "chat_template.jinja"
+    TOKENIZER_CONFIG: ClassVar[str] = "tokenizer_config.json"
     CHECKPOINTS_FACT: ClassVar[str] = "checkpoints"  # the key of run.json naming the checkpoint folder
 
     def __post_init__(self) -> None:

@@ -102,6 +102,8 @@ def test_errors_come_as_openai_error_objects_with_their_status(continuous):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert "has no chat template" in caught.value.message and "/v1/completions" in caught.value.message
+    assert "--serve.chat_template" in caught.value.message and "tokenizer_config.json" in caught.value.message
+    assert caught.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.InternalServerError) as caught:  # the client's class for statuses from 500
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=48, stream=True, extra_body={"timeout_ms": 1})
     assert caught.value.status_code == 504 and caught.value.body["type"] == "timeout_error"

@@ -3,7 +3,7 @@
 The folder holds ``config.json``, the weights as safetensors (one ``model.safetensors``, or
 shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, as
 ``save_pretrained`` writes them), ``generation_config.json`` and the run's tokenizer
-(``tokenizer.json``, when it trained with one). meshyard's own GPT is written as
+(``tokenizer.json``, when it trained with one, and a chat template kept beside it). meshyard's own GPT is written as
 ``GPT2LMHeadModel`` (``models.hf_gpt2``); a run of a Hugging Face architecture
 (``model.name = "hf"``, or a builder returning a ``transformers`` model) keeps it: its own
 config, its own tensor names, a tied head stored once. The weights are read from the DCP
@@ -83,7 +83,9 @@ def export_hugging_face(ref: CheckpointRef, out: Path, report: Callable[[str], N
     (out / "generation_config.json").write_text(json.dumps({**generation, "_from_model_config": True}, indent=2))
     tokenizer = _run_tokenizer(ref)
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / RunDir.TOKENIZER)
+        for name in (RunDir.TOKENIZER, RunDir.TOKENIZER_CONFIG, RunDir.CHAT_TEMPLATE):  # the chat template goes along
+            if (tokenizer.parent / name).is_file():
+                shutil.copyfile(tokenizer.parent / name, out / name)
     report(f"exported {len(weight_map)} tensors of step {manifest['step']} as {target.config['architectures'][0]} "
            f"to {out} ({len(shards)} safetensors file{'s' if len(shards) > 1 else ''})")
     return out

@@ -302,6 +302,9 @@ def _serve_problems(s: ServeConfig) -> list[str]:
         (s.cache_ttl_s >= 0, f"serve.cache_ttl_s = {s.cache_ttl_s} must not be negative (0 keeps entries until "
          "Redis evicts them)"),
         (0 <= s.threads < 2 ** 31, f"serve.threads = {s.threads} must be in [0, 2147483647] (0: torch's default)"),
+        (bool(s.chat_template) or not s.chat_template_overrides,
+         "serve.chat_template_overrides = true needs serve.chat_template, the path of the Jinja template that "
+         "replaces the models' own"),
     ])
 
 

@@ -366,6 +366,15 @@ class ServeConfig:
     cache_entries: int = option(4096, "Entries of the in-process prediction cache.")
     cache_ttl_s: float = option(3600.0, "Seconds a Redis cache entry lives; 0 keeps it until Redis evicts it.")
     threads: int = option(0, "CPU threads for inference (torch.set_num_threads); 0 leaves torch's default.")
+    chat_template: str = option(
+        "", "Path of a Jinja chat template (Hugging Face's kind) for POST /v1/chat/completions, used for the "
+        f"models whose tokenizer carries none ({RunDir.CHAT_TEMPLATE} or the chat_template of "
+        f"{RunDir.TOKENIZER_CONFIG} beside it); empty: such models answer chat requests with 400.",
+    )
+    chat_template_overrides: bool = option(
+        False, "Use serve.chat_template for every served model, also those whose tokenizer carries a template "
+        "(their bos_token and eos_token still apply).",
+    )
 
 
 SECTIONS: dict[str, type] = {

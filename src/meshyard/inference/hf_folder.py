@@ -1,6 +1,6 @@
 """A Hugging Face model folder as a served model: what ``meshyard ckpt export --format hf``
 writes, or any causal language model saved with ``save_pretrained`` (config.json, safetensors
-weights, optionally its ``tokenizer.json``). It is loaded with ``transformers``
+weights, optionally its ``tokenizer.json`` and chat template). It is loaded with ``transformers``
 (``AutoModelForCausalLM.from_pretrained``, local files only) and runs in the eager runtime.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from meshyard.data.tokenizer import TextTokenizer
 from meshyard.extras import require
+from meshyard.inference.chat_template import read_chat_template
 from meshyard.inference.engine import EagerEngine, Engine
 from meshyard.inference.source import ModelSource, ModelSourceError
 from meshyard.models.hf_auto import CONFIG_FILE, hf_config, hf_vocab_size
@@ -31,7 +32,8 @@ def is_hf_folder(path: Path) -> bool:
 
 def describe_hf_folder(path: str, name: str | None = None) -> ModelSource:
     """The folder's served name (its own name unless given), a version digest of its config
-    and weight files, vocabulary, context length and tokenizer, without loading weights."""
+    and weight files, vocabulary, context length, tokenizer and chat template, without
+    loading weights."""
     folder = Path(path).expanduser()
     config = hf_config(folder)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -48,7 +50,8 @@ def describe_hf_folder(path: str, name: str | None = None) -> ModelSource:
     tokenizer = TextTokenizer.from_str(tokenizer_file.read_text()) if tokenizer_file.is_file() else None
     return ModelSource(path=path, name=name or folder.name, version=f"hf.{digest.hexdigest()[:6]}", vocab_size=vocab,
                        context_length=context, tokenizer=tokenizer,
-                       estimated_bytes=sum(child.stat().st_size for child in weights), config=None)
+                       estimated_bytes=sum(child.stat().st_size for child in weights), config=None,
+                       chat_template=read_chat_template(folder) if tokenizer is not None else None)
 
 
 def load_hf_engine(source: ModelSource, device: str | torch.device = "cpu") -> Engine:

@@ -3,7 +3,8 @@ loaded engine (``load_engine``).
 
 A path is one of:
 
-- a run directory: its ``config.toml`` and its newest valid checkpoint;
+- a run directory: its ``config.toml`` and its newest valid checkpoint (and a chat template
+  beside its tokenizer, ``meshyard.inference.chat_template``);
 - a checkpoint (``.../checkpoints/step-N``) or a folder of them: that checkpoint, or the
   folder's newest valid one, with the config of the run directory that holds them (else
   the config the checkpoint's manifest recorded);
@@ -35,6 +36,7 @@ from meshyard.checkpoint.tools import model_state, model_tensor_metadata
 from meshyard.config.load import ConfigError, config_from_dict, load_config
 from meshyard.config.sections import Config, DataConfig, ModelConfig
 from meshyard.data.corpus import BYTE_VOCAB
+from meshyard.inference.chat_template import read_chat_template
 from meshyard.inference.engine import EagerEngine, Engine
 from meshyard.inference.hf_folder import describe_hf_folder, is_hf_folder, load_hf_engine
 from meshyard.inference.runtimes import describe_export, load_export_engine
@@ -68,6 +70,7 @@ def describe(path: str, name: str | None = None) -> ModelSource:
         vocab_size=_vocab_size(config.model, config.data, tokenizer, ref, path),
         context_length=config.model.context_length or config.data.seq_len, tokenizer=tokenizer,
         estimated_bytes=_estimated_bytes(ref, config.model.tie_embeddings), config=config, checkpoint=ref.location,
+        chat_template=read_chat_template(run_dir) if run_dir is not None and tokenizer is not None else None,
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from meshyard.config.sections import Config
 from meshyard.errors import BadInput
+from meshyard.inference.chat_template import ChatTemplate
 from meshyard.inference.tokenizer import Tokenizer
 from meshyard.models.registry import build_model
 from meshyard.plugins import PluginError
@@ -40,6 +41,9 @@ class ModelSource:
     estimated_bytes: int  # the checkpoint's model tensors, or the export's size
     config: Config | None = field(compare=False, repr=False)  # the run's config, when there is one
     checkpoint: str = ""  # the checkpoint this version is (empty for an export)
+    # How chat messages become its prompt, when its tokenizer folder carries a template
+    # (``meshyard.inference.chat_template``); the server may set or replace it.
+    chat_template: ChatTemplate | None = field(default=None, compare=False, repr=False)
 
 
 def build_served_model(config: Config, vocab_size: int, where: object, fix: str,

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshyard.config.sections import ServeConfig
+from meshyard.inference.chat_template import ChatTemplate
 from meshyard.inference.engine import Engine
 from meshyard.inference.loading import load_engine
 from meshyard.inference.source import ModelSource
@@ -58,10 +59,13 @@ class Server:
     """The serving process's parts: routes, loaded models, batchers, prediction cache and
     metrics, with the one inference thread every model runs in."""
 
-    def __init__(self, cfg: ServeConfig, router: Router,
-                 load: Callable[[ModelSource], Engine] | None = None) -> None:
+    def __init__(self, cfg: ServeConfig, router: Router, load: Callable[[ModelSource], Engine] | None = None,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.cfg = cfg
         self.router = router
+        # serve.chat_template, read once (meshyard.serve.chat.configured_template); which
+        # template a model answers chat requests with is meshyard.serve.chat.template_for's call.
+        self.chat_template = chat_template
         self.metrics = ServeMetrics()
         # One thread: models run one batch at a time, and a batch uses every core itself.
         # torch.set_num_threads holds per thread: serve.threads is set on this one itself.

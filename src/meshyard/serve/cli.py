@@ -37,7 +37,9 @@ by --serve.memory_budget_bytes.
 API: POST /v1/models/NAME/generate {"prompt": "text"} or {"tokens": [ids]} (max_new_tokens,
 temperature, top_k, seed, timeout_ms); POST /v1/models/NAME/logits {"sequences": [[ids]]}
 or {"prompts": ["text"]} (top_k); GET /v1/models, /healthz, /readyz, /metrics. The header
-X-Model-Version pins a version."""
+X-Model-Version pins a version. OpenAI-compatible: POST /v1/completions and POST
+/v1/chat/completions (for models whose tokenizer_config.json has a chat_template, or all
+with --serve.chat_template=FILE.jinja)."""
 
 EPILOG = f"""\
 examples:
@@ -209,6 +211,13 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     for module in ("starlette", "uvicorn", *(["redis"] if cfg.cache.startswith(CACHE_SCHEMES) else [])):
         require(module, "meshyard serve" if module != "redis" else f"serve.cache = '{cfg.cache}'")
     router = routes(args, cfg)
+    from meshyard.inference.chat_template import ChatTemplateError
+    from meshyard.serve.chat import configured_template
+
+    try:
+        chat_template = configured_template(cfg)  # a missing or broken file is refused before listening
+    except ChatTemplateError as exc:
+        raise ServeArgumentError(f"serve.chat_template: {exc}") from None
     sock = listen(cfg.host, cfg.port)
     from meshyard.serve.app import Server
     from meshyard.serve.routes import build_app
@@ -221,7 +230,8 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     stop = StopRequest()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, stop)
-    asyncio.run(serve_until_stopped(build_app(Server(cfg, router)), sock, args.ready_file, stop))
+    server = Server(cfg, router, chat_template=chat_template)
+    asyncio.run(serve_until_stopped(build_app(server), sock, args.ready_file, stop))
     return 0
 
 

@@ -2,9 +2,12 @@
 
 ``parse_completion`` checks a ``POST /v1/completions`` body as ``meshyard.serve.requests``
 checks a generate body (one paragraph per problem: 400 malformed, 413 too large, 422
-invalid; nothing reaches a model). ``TextStream`` turns a completion's tokens, as they come,
-into the text a client may already see: text that could still become a stop string, or
-a character whose bytes are not all there yet, is held back until it is decided.
+invalid; nothing reaches a model). ``completion_call`` checks what every completion
+request shares (n, sampling, the context, stop strings, streaming), so a chat request
+(``meshyard.serve.chat``), once its messages are a prompt, runs as a completion.
+``TextStream`` turns a completion's tokens, as they come, into the text a client may
+already see: text that could still become a stop string, or a character whose bytes are
+not all there yet, is held back until it is decided.
 """
 
 from __future__ import annotations
@@ -60,39 +63,55 @@ class CompletionCall:
 def parse_completion(payload: dict[str, Any], source: ModelSource, cfg: ServeConfig) -> CompletionCall:
     """A completions request's JSON object, checked against ``source`` and the server's limits."""
     _check_fields(payload, COMPLETION_FIELDS, "completions")
+    needs_tokenizer(source, "text completions")
+    prompts = _prompts(payload.get("prompt"), source)
+    return completion_call(payload, source, cfg, prompts, [f"prompt {i}" for i in range(len(prompts))],
+                           max_tokens_key="max_tokens", stop=stops(payload.get("stop")), logprobs=_logprobs(payload),
+                           echo=flag(payload, "echo"))
+
+
+def needs_tokenizer(source: ModelSource, what: str) -> None:
+    """Refuses (400) a text request for a model that takes and gives token ids only."""
     if source.tokenizer is None:
         raise bad(f"model '{source.name}' has no tokenizer (it takes and gives token ids only), so it cannot "
-                  f"answer text completions; ask POST /v1/models/{source.name}/generate with \"tokens\"", 400)
-    prompts = _prompts(payload.get("prompt"), source)
+                  f"answer {what}; ask POST /v1/models/{source.name}/generate with \"tokens\"", 400)
+
+
+def completion_call(payload: dict[str, Any], source: ModelSource, cfg: ServeConfig, prompts: list[list[int]],
+                    names: list[str], *, max_tokens_key: str, stop: list[str], logprobs: int | None,
+                    echo: bool) -> CompletionCall:
+    """The fields every completion request shares (n, max tokens under ``max_tokens_key``,
+    temperature, top_k, top_p, seed, stream, stream_options, timeout_ms), checked for
+    ``prompts`` (called ``names`` in messages) against ``source`` and the server's limits."""
     n = _whole(payload, "n", 1, 1, cfg.max_queue, "completions per prompt; serve.max_queue is the upper limit")
     if len(prompts) * n > cfg.max_queue:
         raise bad(f"{len(prompts)} prompts with n = {n} make {len(prompts) * n} completions, over the server's "
                   f"serve.max_queue ({cfg.max_queue}); send fewer prompts or a smaller n")
-    renamed = {"max_new_tokens": payload.get("max_tokens", min(DEFAULT_NEW_TOKENS, cfg.max_new_tokens)),
+    renamed = {"max_new_tokens": payload.get(max_tokens_key, min(DEFAULT_NEW_TOKENS, cfg.max_new_tokens)),
                **{key: payload[key] for key in ("temperature", "top_k", "seed") if key in payload}}
     try:
         sampling = _sampling(renamed, cfg)
-    except BadRequest as exc:  # the messages name max_new_tokens: say max_tokens
-        exc.message = exc.message.replace("max_new_tokens", "max_tokens")
+    except BadRequest as exc:  # the messages name max_new_tokens: say the request's own field
+        exc.message = exc.message.replace("max_new_tokens", max_tokens_key)
         raise
     top_p = _number(payload, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise bad(f"top_p = {shown(payload['top_p'])} is not accepted: it must be above 0 and at most 1")
     sampling = replace(sampling, top_p=top_p)
-    for i, prompt in enumerate(prompts):
+    for name, prompt in zip(names, prompts):
         if len(prompt) + sampling.max_new_tokens > source.context_length:
             room = source.context_length - len(prompt)
-            fix = (f"ask for at most {room} tokens (max_tokens) or shorten the prompt" if room > 0
+            fix = (f"ask for at most {room} tokens ({max_tokens_key}) or shorten the prompt" if room > 0
                    else f"shorten the prompt to at most {source.context_length - 1} tokens")
-            raise bad(f"prompt {i} has {len(prompt)} tokens and max_tokens is {sampling.max_new_tokens}, over the "
+            raise bad(f"{name} has {len(prompt)} tokens and {max_tokens_key} is {sampling.max_new_tokens}, over the "
                       f"context of model '{source.name}' ({source.context_length} tokens); {fix}")
     stream_options = payload.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise bad(f"stream_options = {shown(stream_options)} is not accepted: the server takes "
                   "{\"include_usage\": true or false}")
+    assert source.tokenizer is not None  # needs_tokenizer came first
     return CompletionCall(prompts=prompts, texts=[source.tokenizer.decode(p) for p in prompts], n=n,
-                          sampling=sampling, stop=_stops(payload.get("stop")),
-                          logprobs=_logprobs(payload), echo=_flag(payload, "echo"), stream=_flag(payload, "stream"),
+                          sampling=sampling, stop=stop, logprobs=logprobs, echo=echo, stream=flag(payload, "stream"),
                           include_usage=bool(stream_options.get("include_usage")), timeout_s=_timeout(payload, cfg))
 
 
@@ -112,23 +131,30 @@ def _prompts(value: Any, source: ModelSource) -> list[list[int]]:
               "list of lists of token ids (one completion per prompt)")
 
 
-def _stops(value: Any) -> list[str]:
+def stops(value: Any) -> list[str]:
+    """The stop strings of a "stop" field: none, one string or a list of them."""
     if value is None:
         return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+    given = [value] if isinstance(value, str) else value
+    if not isinstance(given, list) or len(given) > MAX_STOPS or not all(isinstance(s, str) and s for s in given):
         raise bad(f"stop = {shown(value)} is not accepted: it must be a non-empty string or a list of at most "
                   f"{MAX_STOPS} of them")
-    return stops
+    return given
 
 
 def _logprobs(payload: dict[str, Any]) -> int | None:
     if payload.get("logprobs") is None:
         return None
-    return _whole(payload, "logprobs", 0, 0, MAX_LOGPROBS, "how many most likely tokens to list per position")
+    return top_logprobs(payload, "logprobs")
 
 
-def _flag(payload: dict[str, Any], key: str) -> bool:
+def top_logprobs(payload: dict[str, Any], key: str) -> int:
+    """How many most likely tokens to list per position, from ``payload[key]``."""
+    return _whole(payload, key, 0, 0, MAX_LOGPROBS, "how many most likely tokens to list per position")
+
+
+def flag(payload: dict[str, Any], key: str) -> bool:
+    """A true-or-false field (absent or null: false)."""
     value = payload.get(key, False)
     if value is None:
         return False

@@ -4,7 +4,9 @@ request) and ``POST /v1/chat/completions`` (the OpenAI fields of ``GET /v1/model
 
 A completions request is checked (``meshyard.serve.completions``), its model chosen as a
 generate request's is (the ``model`` field, and the ``X-Model-Version`` header), and each of
-its choices (n per prompt) goes to the model's generate batcher as one request. The
+its choices (n per prompt) goes to the model's generate batcher as one request. A chat
+request is the completion of the prompt its messages make (``meshyard.serve.chat``), run
+the same way; only the shape of its answer differs (``TextShape`` or ``ChatShape``). The
 continuous batcher gives a choice's tokens at every decoding step; the dynamic batcher runs
 a whole batch in one ``generate`` call, so a choice's tokens come at once when it ends.
 Each choice's text goes through a ``TextStream``; a choice that meets a stop string stops
@@ -31,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
+from meshyard.serve.chat import ChatShape, parse_chat, template_for
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
 from meshyard.serve.requests import bad, parse_json, read_body, shown
 from meshyard.serve.routing import VERSION_HEADER
@@ -83,12 +86,23 @@ def _choose(server: Server, request: Request, exchange: Exchange, payload: dict[
     return source
 
 
-async def chat_completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
-    """``POST /v1/chat/completions``: refused, naming the model, while no served tokenizer
-    carries a chat template (meshyard's byte and tokenizer.json tokenizers have none)."""
-    source = _choose(server, request, exchange, await _payload(server, request, CHAT_EXAMPLE))
-    raise bad(f"model '{source.name}' has no chat template (its tokenizer carries none), so the server cannot "
-              "turn chat messages into its prompt; send the text as \"prompt\" to POST /v1/completions", 400)
+class TextShape:
+    """OpenAI's text completion objects: choices (and chunks' choices) carry text."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def choice(self, index: int, text: str, logprobs: dict[str, list[Any]] | None,
+               finish: str | None) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk_choice(self, index: int, text: str, logprobs: dict[str, list[Any]] | None, finish: str | None,
+                     first: bool) -> dict[str, Any]:
+        return self.choice(index, text, logprobs, finish)
+
+
+Shape = TextShape | ChatShape
 
 
 @dataclass
@@ -107,37 +121,53 @@ async def completions(server: Server, request: Request, exchange: Exchange) -> d
     """``POST /v1/completions``: OpenAI's completion object, or its chunks as server-sent events."""
     payload = await _payload(server, request, COMPLETIONS_EXAMPLE)
     source = _choose(server, request, exchange, payload)
-    call = parse_completion(payload, source, server.cfg)
+    return await _answer(server, request, source, parse_completion(payload, source, server.cfg), TextShape())
+
+
+async def chat_completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any] | Response:
+    """``POST /v1/chat/completions``: the completion of the prompt the messages make, as
+    OpenAI's chat completion object or its chunks as server-sent events."""
+    payload = await _payload(server, request, CHAT_EXAMPLE)
+    source = _choose(server, request, exchange, payload)
+    call = parse_chat(payload, source, template_for(source, server.chat_template, server.cfg), server.cfg)
+    return await _answer(server, request, source, call, ChatShape())
+
+
+async def _answer(server: Server, request: Request, source: ModelSource, call: CompletionCall,
+                  shape: Shape) -> dict[str, Any] | Response:
+    """Runs ``call``'s choices and answers in ``shape``: one object, or a stream."""
     deadline = time.monotonic() + call.timeout_s
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    head = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.object, "created": int(time.time()),
             "model": source.name}
     events = _events(server, source, call, deadline, request.is_disconnected)
     if not call.stream:
         async with aclosing(events):
-            return await _completion(head, call, events)
+            return await _completion(head, call, shape, events)
     try:
         first = await anext(events)  # a refusal before the first tokens still gets its status
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(_sse(head, call, first, events), media_type="text/event-stream",
+    chunk_head = {**head, "object": shape.chunk_object}
+    return StreamingResponse(_sse(chunk_head, call, shape, first, events), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _completion(head: dict[str, Any], call: CompletionCall, events: AsyncIterator[Event]) -> dict[str, Any]:
+async def _completion(head: dict[str, Any], call: CompletionCall, shape: Shape,
+                      events: AsyncIterator[Event]) -> dict[str, Any]:
     """Every event of every choice, gathered into OpenAI's completion object."""
-    choices = {index: {"text": "", "index": index, "logprobs": None, "finish_reason": None}
-               for index, _, _ in call.choices()}
+    texts = {index: "" for index, _, _ in call.choices()}
+    logprobs: dict[int, dict[str, list[Any]] | None] = {index: None for index in texts}
+    finishes: dict[int, str | None] = {index: None for index in texts}
     completion_tokens = 0
     async for event in events:
-        choice = choices[event.index]
-        choice["text"] += event.text
+        texts[event.index] += event.text
         completion_tokens += event.tokens
         if event.logprobs is not None:
-            choice["logprobs"] = _joined(choice["logprobs"], event.logprobs)
-        choice["finish_reason"] = event.finish or choice["finish_reason"]
-    return {**head, "choices": [choices[index] for index in sorted(choices)],
-            "usage": _usage(call, completion_tokens)}
+            logprobs[event.index] = _joined(logprobs[event.index], event.logprobs)
+        finishes[event.index] = event.finish or finishes[event.index]
+    choices = [shape.choice(index, texts[index], logprobs[index], finishes[index]) for index in sorted(texts)]
+    return {**head, "choices": choices, "usage": _usage(call, completion_tokens)}
 
 
 def _joined(before: dict[str, list[Any]] | None, part: dict[str, list[Any]]) -> dict[str, list[Any]]:
@@ -150,18 +180,20 @@ def _usage(call: CompletionCall, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _sse(head: dict[str, Any], call: CompletionCall, first: Event,
+async def _sse(head: dict[str, Any], call: CompletionCall, shape: Shape, first: Event,
                events: AsyncIterator[Event]) -> AsyncIterator[str]:
     """The stream's server-sent events: a chunk per event, the usage chunk when asked for,
     then ``[DONE]``; a failure after the first chunk ends it with an error event."""
     completion_tokens = 0
+    started: set[int] = set()  # the choices that had their first chunk
     async with aclosing(events):
         try:
             event: Event | None = first
             while event is not None:
                 completion_tokens += event.tokens
-                choice = {"text": event.text, "index": event.index, "logprobs": event.logprobs,
-                          "finish_reason": event.finish}
+                choice = shape.chunk_choice(event.index, event.text, event.logprobs, event.finish,
+                                            event.index not in started)
+                started.add(event.index)
                 yield _data({**head, "choices": [choice], **({"usage": None} if call.include_usage else {})})
                 event = await anext(events, None)
         except ServeError as exc:
