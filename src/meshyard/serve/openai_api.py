@@ -31,8 +31,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
+from meshyard.serve.app import request_payload
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
-from meshyard.serve.requests import bad, parse_json, read_body, shown
+from meshyard.serve.requests import bad, shown
 from meshyard.serve.routing import VERSION_HEADER
 from meshyard.serve.types import BadRequest, DeadlineExceeded, NotFound, QueueFull, ServeError
 
@@ -45,7 +46,8 @@ log = logging.getLogger("meshyard.serve")
 
 COMPLETIONS_EXAMPLE = '{"model": "tiny", "prompt": "Hello", "max_tokens": 16}'
 CHAT_EXAMPLE = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
                503: "overloaded_error", 504: "timeout_error"}
 LOWEST_LOGPROB = -1e30
@@ -67,11 +69,6 @@ def openai_error(exc: ServeError) -> JSONResponse:
     return JSONResponse(error_object(exc), status_code=exc.status, headers=headers)
 
 
-async def _payload(server: Server, request: Request, example: str) -> dict[str, Any]:
-    body = await read_body(request.headers.get("content-length"), request.stream(), server.cfg.max_body_bytes)
-    return parse_json(body, example)
-
-
 def _choose(server: Server, request: Request, exchange: Exchange, payload: dict[str, Any]) -> ModelSource:
     name = payload.get("model")
     if not isinstance(name, str) or not name:
@@ -86,7 +83,7 @@ def _choose(server: Server, request: Request, exchange: Exchange, payload: dict[
 async def chat_completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
     """``POST /v1/chat/completions``: refused, naming the model, while no served tokenizer
     carries a chat template (meshyard's byte and tokenizer.json tokenizers have none)."""
-    source = _choose(server, request, exchange, await _payload(server, request, CHAT_EXAMPLE))
+    source = _choose(server, request, exchange, await request_payload(server, request, CHAT_EXAMPLE))
     raise bad(f"model '{source.name}' has no chat template (its tokenizer carries none), so the server cannot "
               "turn chat messages into its prompt; send the text as \"prompt\" to POST /v1/completions", 400)
 
@@ -105,7 +102,7 @@ class Event:
 
 async def completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any] | Response:
     """``POST /v1/completions``: OpenAI's completion object, or its chunks as server-sent events."""
-    payload = await _payload(server, request, COMPLETIONS_EXAMPLE)
+    payload = await request_payload(server, request, COMPLETIONS_EXAMPLE)
     source = _choose(server, request, exchange, payload)
     call = parse_completion(payload, source, server.cfg)
     deadline = time.monotonic() + call.timeout_s
