@@ -12,9 +12,9 @@ from meshyard.config.sections import ServeConfig
 from meshyard.inference.sampling import Sampling
 from meshyard.inference.source import ModelSource
 from meshyard.inference.tokenizer import ByteTokenizer
-from meshyard.serve.requests import (GenerateCall, LogitsCall, parse_generate, parse_json, parse_logits,
-                                     read_body)
-from meshyard.serve.types import BadRequest
+from meshyard.serve.requests import (GenerateCall, LogitsCall, check_content_type, parse_generate, parse_json,
+                                     parse_logits, read_body, shown)
+from meshyard.serve.types import BadRequest, ReadTimeout
 
 TEXT_MODEL = ModelSource(path="runs/tiny", name="tiny", version="step-3.abcdef", vocab_size=256, context_length=64,
                          tokenizer=ByteTokenizer(), estimated_bytes=1000, config=None)
@@ -76,6 +76,53 @@ def test_malformed_bodies_are_400_with_an_example(body, fragment):
     assert fragment in error.message and '{"prompt": "Hello"}' in error.message
 
 
+@pytest.mark.parametrize("body, fragment", [
+    (b'{"temperature": NaN}', "NaN is not a JSON value"),
+    (b'{"temperature": -Infinity}', "-Infinity is not a JSON value"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "digits"),
+    (b'{"prompt": "a\\ud800"}', "without its pair"),
+    (b'{"\\udc00": 1}', "without its pair"),
+])
+def test_what_json_cannot_carry_is_400(body, fragment):
+    error = refusal(parse_json, body, '{"prompt": "Hello"}')
+    assert error.status == 400 and fragment in error.message
+
+
+def test_a_surrogate_pair_is_text():
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}', "{}") == {"prompt": "\U0001f600"}
+
+
+@pytest.mark.parametrize("content_type", [None, "", "application/json", "application/json; charset=utf-8",
+                                          "Application/JSON", "application/vnd.api+json", "text/json"])
+def test_json_and_no_content_type_are_read(content_type):
+    check_content_type(content_type, "{}")
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"])
+def test_other_content_types_are_415(content_type):
+    error = refusal(check_content_type, content_type, '{"prompt": "Hello"}')
+    assert error.status == 415 and content_type in error.message and "application/json" in error.message
+
+
+def test_a_body_that_stops_arriving_is_408():
+    async def stalls() -> AsyncIterator[bytes]:
+        yield b'{"prompt": '
+        await asyncio.sleep(60)
+        yield b'"late"}'
+
+    with pytest.raises(ReadTimeout) as info:
+        asyncio.run(read_body("19", stalls(), 100, timeout_s=0.05))
+    assert info.value.status == 408 and "serve.read_timeout_s" in info.value.message
+    assert "11 bytes came" in info.value.message
+
+
+def test_a_value_nested_too_deep_to_show_is_named_not_shown():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert shown(deep) == "(a value nested too deeply to show)"
+
+
 # -- generate -------------------------------------------------------------------------------
 
 def test_a_text_prompt_becomes_its_bytes_with_the_defaults():
@@ -126,6 +173,8 @@ def test_greedy_requests_share_a_cache_entry_whatever_their_top_k_and_seed():
     ({"tokens": [1], "seed": 2 ** 70}, ["seed = 1180591620717411303424"]),
     ({"tokens": [1], "timeout_ms": 2001}, ["timeout_ms = 2001", "at most 2000", "serve.request_timeout_s"]),
     ({"tokens": [1], "timeout_ms": 0}, ["timeout_ms = 0", "above 0"]),
+    ({"tokens": [1], "timeout_ms": 10 ** 400}, ["timeout_ms = 1000", "finite number"]),
+    ({"tokens": [1], "temperature": float("inf")}, ["temperature = Infinity", "finite number"]),
 ])
 def test_invalid_generate_requests_are_422_naming_field_value_and_what_is_accepted(payload, fragments):
     error = refusal(parse_generate, payload, TEXT_MODEL, CFG)

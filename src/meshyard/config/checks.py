@@ -292,6 +292,11 @@ def _serve_problems(s: ServeConfig) -> list[str]:
         (s.max_new_tokens >= 1, f"serve.max_new_tokens = {s.max_new_tokens} must be at least 1"),
         (s.max_body_bytes >= 1024, f"serve.max_body_bytes = {s.max_body_bytes} must be at least 1024 (a small "
          "request's JSON)"),
+        (s.read_timeout_s > 0, f"serve.read_timeout_s = {s.read_timeout_s} must be positive (seconds a client "
+         "has to send a request)"),
+        (s.max_connections >= 1, f"serve.max_connections = {s.max_connections} must be at least 1"),
+        (s.keep_alive_timeout_s > 0,
+         f"serve.keep_alive_timeout_s = {s.keep_alive_timeout_s} must be positive (seconds an idle connection is kept)"),
         (s.memory_budget_bytes >= 0,
          f"serve.memory_budget_bytes = {s.memory_budget_bytes} must not be negative (0 means no limit)"),
         (all(isinstance(n, str) and n.strip() for n in s.pinned),

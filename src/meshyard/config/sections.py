@@ -354,6 +354,17 @@ class ServeConfig:
     request_timeout_s: float = option(30.0, "Deadline of a request from arrival; later it is answered 504.")
     max_new_tokens: int = option(256, "Largest max_new_tokens a generate request may ask for.")
     max_body_bytes: int = option(1_048_576, "Largest request body; a bigger one is answered 413.")
+    read_timeout_s: float = option(
+        10.0, "Seconds a client has to send a request's line and headers (counted from its first byte, or "
+        "from connecting), and again for its body; a slower one is answered 408 and its connection closed, "
+        "so half-sent requests cannot hold connections for ever.",
+    )
+    max_connections: int = option(
+        512, "Open connections the server keeps; a connection beyond them is answered 503 (Retry-After) on "
+        "its first request and closed. Keep it under the process's open-file limit (ulimit -n).",
+    )
+    keep_alive_timeout_s: float = option(
+        5.0, "Seconds an idle kept-alive connection waits for its next request before the server closes it.")
     memory_budget_bytes: int = option(
         0, "Bytes the loaded models may take together; above it, idle models are evicted (longest idle and "
         "cheapest to load again first; pinned ones never). 0: no limit.",

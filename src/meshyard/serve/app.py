@@ -18,10 +18,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import torch
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from meshyard.config.sections import ServeConfig
@@ -35,9 +35,9 @@ from meshyard.serve.continuous import ContinuousBatcher
 from meshyard.serve.metrics import ServeMetrics
 from meshyard.serve.model_cache import ModelCache
 from meshyard.serve.prediction_cache import cache_key, open_cache
-from meshyard.serve.requests import parse_generate, parse_json, parse_logits, read_body
+from meshyard.serve.requests import parse_generate, parse_logits, read_payload
 from meshyard.serve.routing import VERSION_HEADER, Router
-from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ServeError
+from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ReadTimeout, ServeError
 
 log = logging.getLogger("meshyard.serve")
 
@@ -209,6 +209,8 @@ async def answer(server: Server, request: Request, endpoint: str, work: Work,
             response = result if isinstance(result, Response) else JSONResponse(result)
         except ServeError as exc:
             response = errors(exc)
+            if isinstance(exc, ReadTimeout):
+                response.headers["Connection"] = "close"
             reason = rejection(exc)
             if reason is not None:
                 server.metrics.rejected(exchange.model, exchange.version, reason)
@@ -241,9 +243,19 @@ def error_response(exc: ServeError) -> JSONResponse:
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 
 
-async def _payload(server: Server, request: Request, example: str) -> dict[str, Any]:
-    body = await read_body(request.headers.get("content-length"), request.stream(), server.cfg.max_body_bytes)
-    return parse_json(body, example)
+async def request_payload(server: Server, request: Request, example: str) -> dict[str, Any]:
+    """The request's JSON object, read and parsed within the server's limits (``read_payload``)."""
+    return await read_payload(request.headers, _body_chunks(request), server.cfg, example)
+
+
+async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
+    """The body as it arrives; a client that closes its connection halfway is a
+    ``ClientDisconnected`` like one that leaves while its request waits."""
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed its connection before its request's body arrived") from None
 
 
 def _choose(server: Server, request: Request, exchange: Exchange) -> ModelSource:
@@ -261,7 +273,7 @@ async def _cached(server: Server, exchange: Exchange, key: str) -> dict[str, Any
 async def generate(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
     """``POST /v1/models/{name}/generate``."""
     source = _choose(server, request, exchange)
-    payload = await _payload(server, request, GENERATE_EXAMPLE)
+    payload = await request_payload(server, request, GENERATE_EXAMPLE)
     call = parse_generate(payload, source, server.cfg)
     deadline = time.monotonic() + call.timeout_s
     key = cache_key(source.name, source.version, "generate", call.cache_payload()) \
@@ -286,7 +298,7 @@ async def generate(server: Server, request: Request, exchange: Exchange) -> dict
 async def logits(server: Server, request: Request, exchange: Exchange) -> dict[str, Any]:
     """``POST /v1/models/{name}/logits``: each sequence waits in the batcher as one item."""
     source = _choose(server, request, exchange)
-    payload = await _payload(server, request, LOGITS_EXAMPLE)
+    payload = await request_payload(server, request, LOGITS_EXAMPLE)
     call = parse_logits(payload, source, server.cfg)
     deadline = time.monotonic() + call.timeout_s
     key = cache_key(source.name, source.version, "logits", call.cache_payload())

@@ -186,11 +186,19 @@ class StopRequest:
         self.requested = True
 
 
-async def serve_until_stopped(app: Any, sock: socket.socket, ready_file: str | None, stop: StopRequest) -> None:
-    """Runs uvicorn on ``sock`` until SIGTERM or SIGINT; says where it listens once it does."""
+async def serve_until_stopped(app: Any, sock: socket.socket, ready_file: str | None, stop: StopRequest,
+                              cfg: ServeConfig) -> None:
+    """Runs uvicorn on ``sock`` until SIGTERM or SIGINT; says where it listens once it does.
+    Its connections keep ``cfg``'s read deadline and connection cap (``meshyard.serve.connections``)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    from meshyard.serve.connections import guarded_protocol, make_room_for
+    from meshyard.serve.routes import connection_refusal
+
+    make_room_for(cfg.max_connections)
+    protocol = guarded_protocol(cfg.read_timeout_s, cfg.max_connections, connection_refusal(cfg.max_connections))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
+                                          timeout_keep_alive=cfg.keep_alive_timeout_s))
     running = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not running.done():
         server.should_exit = server.should_exit or stop.requested
@@ -231,7 +239,7 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, stop)
     server = Server(cfg, router, chat_template=chat_template)
-    asyncio.run(serve_until_stopped(build_app(server), sock, args.ready_file, stop))
+    asyncio.run(serve_until_stopped(build_app(server), sock, args.ready_file, stop, cfg))
     return 0
 
 

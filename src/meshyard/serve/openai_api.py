@@ -33,9 +33,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
+from meshyard.serve.app import request_payload
 from meshyard.serve.chat import ChatShape, parse_chat, template_for
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
-from meshyard.serve.requests import bad, parse_json, read_body, shown
+from meshyard.serve.requests import bad, shown
 from meshyard.serve.routing import VERSION_HEADER
 from meshyard.serve.types import BadRequest, DeadlineExceeded, NotFound, QueueFull, ServeError
 
@@ -48,7 +49,8 @@ log = logging.getLogger("meshyard.serve")
 
 COMPLETIONS_EXAMPLE = '{"model": "tiny", "prompt": "Hello", "max_tokens": 16}'
 CHAT_EXAMPLE = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}'
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
                503: "overloaded_error", 504: "timeout_error"}
 LOWEST_LOGPROB = -1e30
@@ -68,11 +70,6 @@ def openai_error(exc: ServeError) -> JSONResponse:
     """``exc`` as OpenAI's error object, with its status (and Retry-After for a full queue)."""
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
     return JSONResponse(error_object(exc), status_code=exc.status, headers=headers)
-
-
-async def _payload(server: Server, request: Request, example: str) -> dict[str, Any]:
-    body = await read_body(request.headers.get("content-length"), request.stream(), server.cfg.max_body_bytes)
-    return parse_json(body, example)
 
 
 def _choose(server: Server, request: Request, exchange: Exchange, payload: dict[str, Any]) -> ModelSource:
@@ -119,7 +116,7 @@ class Event:
 
 async def completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any] | Response:
     """``POST /v1/completions``: OpenAI's completion object, or its chunks as server-sent events."""
-    payload = await _payload(server, request, COMPLETIONS_EXAMPLE)
+    payload = await request_payload(server, request, COMPLETIONS_EXAMPLE)
     source = _choose(server, request, exchange, payload)
     return await _answer(server, request, source, parse_completion(payload, source, server.cfg), TextShape())
 
@@ -127,7 +124,7 @@ async def completions(server: Server, request: Request, exchange: Exchange) -> d
 async def chat_completions(server: Server, request: Request, exchange: Exchange) -> dict[str, Any] | Response:
     """``POST /v1/chat/completions``: the completion of the prompt the messages make, as
     OpenAI's chat completion object or its chunks as server-sent events."""
-    payload = await _payload(server, request, CHAT_EXAMPLE)
+    payload = await request_payload(server, request, CHAT_EXAMPLE)
     source = _choose(server, request, exchange, payload)
     call = parse_chat(payload, source, template_for(source, server.chat_template, server.cfg), server.cfg)
     return await _answer(server, request, source, call, ChatShape())

@@ -1,8 +1,11 @@
 """What a request asks for, read and checked before it reaches a model.
 
-The body is read against ``serve.max_body_bytes`` (the announced Content-Length first, then
-the bytes as they arrive, so a client that lies about the length is still cut off: 413),
-parsed as a JSON object (400 otherwise) and checked field by field against the model it
+A body declared as something other than JSON is refused (415). The body is read against
+``serve.max_body_bytes`` (the announced Content-Length first, then the bytes as they arrive,
+so a client that lies about the length is still cut off: 413) and within
+``serve.read_timeout_s`` (408), parsed as a JSON object (400 otherwise: also for NaN and
+Infinity, which JSON has not, nesting too deep to read, bytes that are not UTF-8 and lone
+surrogate escapes, which are not text) and checked field by field against the model it
 goes to (422): unknown fields, wrong types, token ids outside the vocabulary, prompts that
 with their new tokens would not fit the context, and limits of the server. Every message
 is one paragraph naming the field, the value and what is accepted, so a client fixes its
@@ -11,15 +14,17 @@ request without reading the server's code. Nothing here touches a model or the n
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 from meshyard.config.load import did_you_mean
 from meshyard.config.sections import ServeConfig
 from meshyard.inference.sampling import Sampling
-from meshyard.serve.types import BadRequest
+from meshyard.serve.types import BadRequest, ReadTimeout
 
 if TYPE_CHECKING:
     from meshyard.inference.source import ModelSource
@@ -34,6 +39,10 @@ MAX_SEED = 2 ** 63 - 1
 TEMPERATURE_RANGE = (1e-6, 1e6)
 SHOWN_CHARS = 60
 """How much of an offending value a message repeats (a prompt can be megabytes long)."""
+JSON_MEDIA_TYPES = ("application/json", "text/json")
+"""Content-Types read as JSON (besides any ``+json`` type); a request without one is read as JSON too."""
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""The start of a ``\\uD800``-``\\uDFFF`` escape: half of a UTF-16 pair (alone, it is no text)."""
 
 
 @dataclass(frozen=True)
@@ -78,13 +87,39 @@ def shown(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
+    except RecursionError:  # a value nested almost as deep as the parser allows
+        return "(a value nested too deeply to show)"
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
-async def read_body(content_length: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:
+async def read_payload(headers: Mapping[str, str], chunks: AsyncIterator[bytes], cfg: ServeConfig,
+                       example: str) -> dict[str, Any]:
+    """A request's JSON object: its Content-Type checked, its body read within the server's
+    limits and parsed; every refusal names ``example``'s shape or the setting at fault."""
+    check_content_type(headers.get("content-type"), example)
+    body = await read_body(headers.get("content-length"), chunks, cfg.max_body_bytes, cfg.read_timeout_s)
+    return parse_json(body, example)
+
+
+def check_content_type(content_type: str | None, example: str) -> None:
+    """415 for a body declared as something other than JSON (a form, plain text); a request
+    without a Content-Type is read as JSON, as a plain ``curl -d`` or ``httpx content=`` sends."""
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type in JSON_MEDIA_TYPES or media_type.endswith("+json") or not media_type:
+        return
+    raise bad(f"the body is declared as {shown(media_type)} (Content-Type), but the server reads JSON only; send "
+              f"a JSON object such as {example} with Content-Type: application/json", 415)
+
+
+async def read_body(content_length: str | None, chunks: AsyncIterator[bytes], limit: int,
+                    timeout_s: float | None = None) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes:
     from the Content-Length header before reading, else while reading (a chunked body, or a
-    client that announced less than it sends)."""
+    client that announced less than it sends); and with 408 when it has not all arrived
+    within ``timeout_s`` (a client that sends half a body and waits would hold its
+    connection and handler for ever)."""
     fix = (f"the server takes at most {limit} bytes (serve.max_body_bytes); send fewer or shorter sequences "
            "in one request, or start the server with a larger --serve.max_body_bytes")
     if content_length is not None:
@@ -96,11 +131,21 @@ async def read_body(content_length: str | None, chunks: AsyncIterator[bytes], li
         if announced > limit:
             raise bad(f"the body has {announced} bytes, over the limit: {fix}", 413)
     body = bytearray()
-    async for chunk in chunks:
-        body += chunk
-        if len(body) > limit:
-            raise bad(f"the body is longer than {limit} bytes: {fix}", 413)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in chunks:
+                body += chunk
+                if len(body) > limit:
+                    raise bad(f"the body is longer than {limit} bytes: {fix}", 413)
+    except TimeoutError:
+        raise ReadTimeout(f"the body did not arrive within {timeout_s:g} s (serve.read_timeout_s; {len(body)} bytes "
+                          "came), so the server closes the connection; send the whole request at once, or ask the "
+                          "operator for a longer serve.read_timeout_s") from None
     return bytes(body)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value; send numbers as finite decimals")
 
 
 def parse_json(body: bytes, example: str) -> dict[str, Any]:
@@ -109,10 +154,15 @@ def parse_json(body: bytes, example: str) -> dict[str, Any]:
     if not body.strip():
         raise bad(f"the request has no body; {fix}", 400)
     try:
-        payload = json.loads(body)
+        payload = json.loads(body, parse_constant=_no_constant)
+        if SURROGATE_ESCAPE.search(body):  # rare: only then is the whole payload encoded again
+            json.dumps(payload, ensure_ascii=False).encode()
     except RecursionError:
         raise bad(f"the body nests JSON too deeply to read; {fix}", 400) from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+    except UnicodeEncodeError:
+        raise bad(f"the body holds a \\uD800-\\uDFFF escape without its pair, which is no text; send "
+                  f"valid Unicode; {fix}", 400) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits alike
         raise bad(f"the body is not valid JSON ({exc}); {fix}", 400) from None
     if not isinstance(payload, dict):
         raise bad(f"the body is a JSON {_json_type(payload)}, not an object; {fix}", 400)
@@ -148,9 +198,17 @@ def _number(payload: dict[str, Any], key: str, default: float) -> float:
     value = payload.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise bad(f"{key} = {shown(value)} is not accepted: it must be a finite number")
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float (a whole number of hundreds of digits is not one)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _timeout(payload: dict[str, Any], cfg: ServeConfig) -> float:

@@ -22,6 +22,13 @@ class BadRequest(ServeError):
     status = 422
 
 
+class ReadTimeout(BadRequest):
+    """The request's body did not arrive within serve.read_timeout_s (408); the connection is
+    closed after the answer, as the rest of the body may still be on its way."""
+
+    status = 408
+
+
 class NotFound(ServeError):
     """No such model or version (404)."""
 

@@ -1,0 +1,139 @@
+"""The server's HTTP connections: a deadline on what a client owes and a cap on how many stay open.
+
+uvicorn closes a kept-alive connection that idles, but nothing bounds how long a client
+may take to send a request's line and headers: a client that sends half a header and
+waits holds its connection (a socket, a file descriptor, memory) for ever, and a few
+thousand such clients ("slowloris") exhaust the server without sending one whole
+request. ``GuardedProtocol`` is uvicorn's h11 protocol with two additions:
+
+- **read deadline**: while the protocol itself waits on the client (a new connection's
+  first request, a request whose head has begun to arrive, or the rest of a body the
+  application answered without reading) the client has ``read_timeout_s`` to deliver it.
+  Past it, a half-sent head is answered 408 and the connection closed; a connection that
+  sent nothing, or owes only an unread body, is closed without an answer. Once the head is
+  in, the body is the application's to read, under the same deadline
+  (``meshyard.serve.requests.read_body``), so its 408 carries the route's error shape.
+- **connection cap**: a connection opened beyond ``max_connections`` gets ``refusal`` in
+  place of the application: its first request is answered by it (503) and the connection
+  closed. Answering after the request's head has arrived, rather than at once, lets the
+  client read the answer instead of a reset.
+
+h11 is uvicorn's pure-Python parser; the deadline reads its state (what the client has
+sent) and is kept by the same event loop as everything else, one timer per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from typing import Any, Awaitable, Callable
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("meshyard.serve")
+
+Asgi = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+SPARE_FILES = 256
+"""Open files the server needs beside its connections (models, logs, the listening socket)."""
+
+
+def request_timeout_answer(read_timeout_s: float) -> bytes:
+    """The whole HTTP answer to a request whose head did not arrive in time (the route, and so
+    its error shape, is not known yet)."""
+    body = json.dumps({"error": f"the request's line and headers did not arrive within {read_timeout_s:g} s "
+                                "(serve.read_timeout_s), so the server closed the connection; send the whole "
+                                "request at once, or ask the operator for a longer serve.read_timeout_s"}).encode()
+    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode()
+    return head + body
+
+
+class GuardedProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a read deadline and a connection cap (see the module's
+    docstring); ``guarded_protocol`` makes one with the server's settings."""
+
+    read_timeout_s: float = 10.0
+    max_connections: int = 512
+    refusal: Asgi | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections and self.refusal is not None:
+            self.app = self.refusal
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _owed(self) -> bool:
+        """Whether the protocol waits on the client for bytes that no application reads: the
+        head of the first or a begun request, or the rest of a body answered unread. An idle
+        kept-alive connection owes nothing (uvicorn's keep-alive timeout closes it)."""
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return False  # an application is answering: it reads the body under its own deadline
+        if self.conn.their_state is h11.IDLE:
+            return self.cycle is None or bool(self.conn.trailing_data[0])
+        return self.conn.their_state is h11.SEND_BODY
+
+    def _watch(self) -> None:
+        """Arms the deadline when bytes become owed (it counts from then, not from each
+        arrival, so dripping a byte at a time gains nothing) and lifts it when they are in."""
+        if not self._owed():
+            self._disarm()
+            if self.conn.their_state is h11.IDLE and self.cycle is not None and self.timeout_keep_alive_task is None \
+                    and not self.transport.is_closing():
+                # Idle again after draining an unread body: uvicorn armed its keep-alive
+                # timeout at the response and dropped it at the body's bytes.
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
+        elif self._deadline is None:
+            self._deadline = self.loop.call_later(self.read_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if not self._owed():
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            self.transport.write(request_timeout_answer(self.read_timeout_s))
+        self.transport.close()
+
+
+def guarded_protocol(read_timeout_s: float, max_connections: int, refusal: Asgi) -> type[GuardedProtocol]:
+    """``GuardedProtocol`` with these settings, as the class uvicorn's ``Config(http=...)`` takes
+    (uvicorn makes each connection's protocol from the class alone)."""
+    settings = {"read_timeout_s": read_timeout_s, "max_connections": max_connections,
+                "refusal": staticmethod(refusal)}
+    return type("GuardedProtocol", (GuardedProtocol,), settings)
+
+
+def make_room_for(max_connections: int) -> None:
+    """Raises the process's soft open-file limit, where the hard limit allows, so that
+    ``max_connections`` sockets fit beside the server's own files; says so in the log when
+    they cannot (connections beyond the limit then fail at accept, not with a 503)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + SPARE_FILES
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning("serve.max_connections = %d needs about %d open files, but the process may open at most %d "
+                    "(ulimit -n); lower serve.max_connections or raise the limit", max_connections, needed, hard)
