@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run on a machine with one (CUDA torch already
-# installed there): the gpu tests, the training step against a compiled plain loop, the
-# async checkpoint's stall. Figures go to stdout and to $OUT (default /tmp/gpu-checks).
+# installed there): the gpu tests, the training step against a compiled plain loop, one
+# decoding step of the server against its matrix work, the async checkpoint's stall.
+# Figures go to stdout and to $OUT (default /tmp/gpu-checks).
 #   PYTHONPATH=src bash scripts/gpu_checks.sh
 # tomli-w is the one dependency such machines tend to lack: put its wheel in wheels/.
 set -uo pipefail
@@ -17,5 +18,7 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -15
 echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024; none and fsdp against the plain loop)"
 python3 benchmarks/gpu_step.py --rounds 2 --fsdp --out "$out/gpu_step.json" 2>&1 | tail -25
 cp "$out/gpu_step.json" "benchmarks/results/gpu-$(date +%F).json" 2>/dev/null
+echo "== benchmarks/decode_step.py (gpt2-124m, bf16, 128-token prompts; target: 16 rows <= 5 ms)"
+python3 benchmarks/decode_step.py --device cuda --out "$out/decode_step.json" 2>&1 | tail -6
 echo "== benchmarks/checkpoint.py (gpt2-124m, one process)"
 python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 3 2>&1 | tail -20

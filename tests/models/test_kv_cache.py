@@ -140,3 +140,26 @@ def test_a_new_sequence_takes_the_free_slot_beside_the_shortest_ones(model):
     cache.release(1)
     cache.release(3)
     assert cache.allocate() == 3  # beside slot 2's 2 positions, not slot 0's 20
+
+
+def test_repeated_decoding_steps_over_the_same_slots_match_the_full_forward():
+    # Later steps reuse the first step's plan (groups, order) with spans one longer: every
+    # step's logits must still be those of a forward over the whole sequence, also after a
+    # row leaves (a new plan) and with rows out of slot order and of different lengths.
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab_size=50, context_length=64, n_layer=2, n_head=2, d_model=32)).eval()
+    cache = model.init_kv_cache(4, 64)
+    sequences = {slot: torch.randint(0, 50, (length,)).tolist() for slot, length in ((2, 3), (0, 11), (3, 5), (1, 4))}
+    with torch.inference_mode():
+        for slot, sequence in sequences.items():
+            model(torch.tensor([sequence[:-1]]), cache=cache, slots=[slot], positions=[0])  # the last comes next
+        slots = [2, 0, 3, 1]
+        for step in range(12):
+            if step == 6:
+                slots = [2, 3, 1]  # slot 0's sequence finished
+            logits = model(torch.tensor([[sequences[s][-1]] for s in slots]), cache=cache, slots=slots)[:, -1]
+            for row, slot in enumerate(slots):
+                full = model(torch.tensor([sequences[slot]]))[0, -1]
+                assert_close(logits[row], full)
+                sequences[slot].append(int(torch.argmax(logits[row])))
+    assert cache.lengths.tolist() == [len(sequences[s]) - 1 for s in range(4)]

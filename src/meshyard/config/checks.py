@@ -9,6 +9,7 @@ message lists every problem of a run. Nothing here raises: each check returns me
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any, Callable, Iterable
 
 from meshyard.config.sections import (CheckpointConfig, CommConfig, Config, DataConfig, FaultConfig, MetricsConfig,
@@ -279,6 +280,10 @@ CACHE_SCHEMES = ("redis://", "rediss://", "unix://")
 """How a Redis prediction cache's URL may begin (besides 'memory' and 'off')."""
 
 
+SERVE_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+"""What serve.device may say (whether that device exists is asked when the server loads a model)."""
+
+
 def _serve_problems(s: ServeConfig) -> list[str]:
     """Ranges of the server's settings; whether the models exist is 'meshyard serve''s question."""
     cache_ok = s.cache in ("memory", "off") or s.cache.startswith(CACHE_SCHEMES)
@@ -297,6 +302,8 @@ def _serve_problems(s: ServeConfig) -> list[str]:
         (s.max_connections >= 1, f"serve.max_connections = {s.max_connections} must be at least 1"),
         (s.keep_alive_timeout_s > 0,
          f"serve.keep_alive_timeout_s = {s.keep_alive_timeout_s} must be positive (seconds an idle connection is kept)"),
+        (isinstance(s.device, str) and SERVE_DEVICE.fullmatch(s.device) is not None,
+         f"serve.device = '{s.device}' is not 'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index, e.g. cuda:0)"),
         (s.memory_budget_bytes >= 0,
          f"serve.memory_budget_bytes = {s.memory_budget_bytes} must not be negative (0 means no limit)"),
         (all(isinstance(n, str) and n.strip() for n in s.pinned),

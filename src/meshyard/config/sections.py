@@ -365,8 +365,18 @@ class ServeConfig:
     )
     keep_alive_timeout_s: float = option(
         5.0, "Seconds an idle kept-alive connection waits for its next request before the server closes it.")
+    device: str = option(
+        "auto", "Where eager models, their KV caches and sampling run: 'auto' (the first CUDA device when torch "
+        "sees one, else the CPU), 'cpu', 'cuda' (the current CUDA device) or 'cuda:N'. Exports (torchscript, "
+        "onnxruntime) run on the CPU only.",
+    )
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto", "Precision of served weights and KV caches: 'auto' (bf16 on a CUDA device that supports it, "
+        "else fp32), 'fp32', 'bf16' or 'fp16'. Sampling always reads the logits in fp32.",
+    )
     memory_budget_bytes: int = option(
-        0, "Bytes the loaded models may take together; above it, idle models are evicted (longest idle and "
+        0, "Bytes the loaded models may take together, in the memory of serve.device (parameters and buffers "
+        "in serve.dtype; KV caches are not counted); above it, idle models are evicted (longest idle and "
         "cheapest to load again first; pinned ones never). 0: no limit.",
     )
     pinned: list = option([], "Model names loaded at start-up and never evicted; /readyz waits for them.")

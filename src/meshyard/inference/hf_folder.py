@@ -16,6 +16,7 @@ from meshyard.data.tokenizer import TextTokenizer
 from meshyard.extras import require
 from meshyard.inference.chat_template import read_chat_template
 from meshyard.inference.engine import EagerEngine, Engine
+from meshyard.inference.placement import CPU, Placement
 from meshyard.inference.source import ModelSource, ModelSourceError
 from meshyard.models.hf_auto import CONFIG_FILE, hf_config, hf_vocab_size
 from meshyard.run_dir import RunDir
@@ -54,13 +55,13 @@ def describe_hf_folder(path: str, name: str | None = None) -> ModelSource:
                        chat_template=read_chat_template(folder) if tokenizer is not None else None)
 
 
-def load_hf_engine(source: ModelSource, device: str | torch.device = "cpu") -> Engine:
-    """The folder's model in fp32, eval mode, on ``device``."""
+def load_hf_engine(source: ModelSource, placement: Placement = CPU) -> Engine:
+    """The folder's model in eval mode, on the placement's device in its dtype."""
     transformers = require("transformers", "serving a Hugging Face model folder")
     try:
         module = transformers.AutoModelForCausalLM.from_pretrained(str(Path(source.path).expanduser()),
-                                                                   local_files_only=True, dtype=torch.float32)
+                                                                   local_files_only=True, dtype=placement.dtype)
     except (OSError, ValueError) as exc:
         raise ModelSourceError(f"{source.path} cannot be loaded as a Hugging Face causal language model "
                                f"({(str(exc).splitlines() or [type(exc).__name__])[0]})") from None
-    return EagerEngine(module.to(device).eval(), source.vocab_size, source.context_length)
+    return EagerEngine(module.to(placement.device).eval(), source.vocab_size, source.context_length)

@@ -39,6 +39,7 @@ from meshyard.data.corpus import BYTE_VOCAB
 from meshyard.inference.chat_template import read_chat_template
 from meshyard.inference.engine import EagerEngine, Engine
 from meshyard.inference.hf_folder import describe_hf_folder, is_hf_folder, load_hf_engine
+from meshyard.inference.placement import resolve, resolve_for_export
 from meshyard.inference.runtimes import describe_export, load_export_engine
 from meshyard.inference.source import KINDS, ModelSource, ModelSourceError, build_served_model
 from meshyard.inference.tokenizer import BYTE_SOURCES, Tokenizer, tokenizer_for
@@ -74,14 +75,17 @@ def describe(path: str, name: str | None = None) -> ModelSource:
     )
 
 
-def load_engine(source: ModelSource, runtime: str = "eager", device: str | torch.device = "cpu") -> Engine:
-    """The engine of ``source``: an export through its runtime, a checkpoint as an
-    ``EagerEngine`` (the model built from the run's config, its weights loaded) on ``device``."""
+def load_engine(source: ModelSource, runtime: str = "eager", device: str = "cpu", dtype: str = "auto") -> Engine:
+    """The engine of ``source``: an export through its runtime (on the CPU, see
+    ``placement.resolve_for_export``), a checkpoint or Hugging Face folder as an
+    ``EagerEngine`` whose weights are on ``device`` in ``dtype`` (``serve.device`` and
+    ``serve.dtype`` settings, resolved by ``meshyard.inference.placement``)."""
     if not source.checkpoint and Path(source.path).expanduser().is_file():
+        resolve_for_export(device, dtype, f"{source.path} (a file written by meshyard export)")
         return load_export_engine(source, runtime)
     hf_folder = not source.checkpoint and is_hf_folder(Path(source.path).expanduser())
     if hf_folder and runtime == "eager":
-        return load_hf_engine(source, device)
+        return load_hf_engine(source, resolve(device, dtype))
     if hf_folder:
         raise ModelSourceError(f"{source.path} is a Hugging Face model folder, which runs only in the 'eager' runtime, "
                                f"not '{runtime}'; serve it with --runtime eager")
@@ -92,12 +96,14 @@ def load_engine(source: ModelSource, runtime: str = "eager", device: str | torch
             "--format onnx for onnxruntime) and serve that file, or serve this path with --runtime eager")
     if source.config is None:
         raise ModelSourceError(f"{source.path}: no run config is known, so the model cannot be built; {KINDS}")
+    placement = resolve(device, dtype)
     ref = _checkpoint_of(source.checkpoint or source.path)
     module = build_served_model(source.config, source.vocab_size, source.path,
                                 "serve from where its model file can be found (the run's model.name is resolved "
-                                "from the current directory unless absolute)", device)
+                                "from the current directory unless absolute)", placement.device)
     _load_weights(module, model_state(ref), ref)
-    return EagerEngine(module, source.vocab_size, source.context_length)
+    # Loaded in the checkpoint's fp32, then cast: the copy from the checkpoint stays exact.
+    return EagerEngine(module.to(placement.dtype), source.vocab_size, source.context_length)
 
 
 def version_of(ref: CheckpointRef) -> str:

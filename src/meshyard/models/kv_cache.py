@@ -92,6 +92,15 @@ class CacheStep:
         return output if self.order is None else output[self.order]
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """The last decoding step: its rows' slots and ends (on the CPU) and its step."""
+
+    slot_ids: torch.Tensor
+    ends: torch.Tensor
+    step: CacheStep
+
+
 def group_slots(slots: torch.Tensor, ends: torch.Tensor, row_elements: int) -> list[tuple[int, int]]:
     """Split rows, sorted by slot, into ranges [a, b) of consecutive slots, choosing the cuts
     that minimise what attention reads (each range reads its longest row's ``ends`` positions
@@ -144,6 +153,8 @@ class KVCache:
         # Lengths live on the CPU: the scheduler reads them every step without a device sync.
         self.lengths = torch.zeros(batch_slots, dtype=torch.long)
         self._free = list(range(batch_slots))
+        self._arange = torch.arange(max_length, device=self.device)  # positions, for the masks
+        self._plan: _DecodePlan | None = None  # the last decoding step, reused by the next one over its slots
 
     @property
     def bytes(self) -> int:
@@ -185,9 +196,25 @@ class KVCache:
         ``positions[b]`` (default: appended at the slot's length). Updates the lengths."""
         slot_ids = torch.as_tensor(range(self.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
         starts = self.lengths[slot_ids] if positions is None else torch.as_tensor(positions, dtype=torch.long).cpu()
-        self._check(slot_ids, starts, n_new)
+        plan = self._plan
+        if (n_new == 1 and plan is not None and not plan.step.fresh and plan.slot_ids.shape == slot_ids.shape
+                and torch.equal(plan.slot_ids, slot_ids) and torch.equal(plan.ends, starts)
+                and int(starts.max()) < self.max_length):
+            step = self._advance(plan.step)
+        else:
+            self._check(slot_ids, starts, n_new)
+            step = self._plan_step(slot_ids, starts, n_new)
         ends = starts + n_new
         self.lengths[slot_ids] = ends
+        # A decoding step is planned once: the next step over the same slots, each one token on,
+        # keeps its groups and order (see _advance).
+        self._plan = _DecodePlan(slot_ids.clone(), ends, step) if n_new == 1 else None
+        return step
+
+    def _plan_step(self, slot_ids: torch.Tensor, starts: torch.Tensor, n_new: int) -> CacheStep:
+        """The step of rows ``slot_ids`` writing ``n_new`` tokens from ``starts``: rows grouped by
+        consecutive slots and similar lengths (``group_slots``), each group's mask."""
+        ends = starts + n_new
         token_positions = (starts[:, None] + torch.arange(n_new)).to(self.device)
         device_slots = slot_ids.to(self.device)
         if bool((starts == 0).all()):
@@ -199,13 +226,27 @@ class KVCache:
         for a, b in group_slots(sorted_slots, sorted_ends, self.n_head * self.head_dim):
             rows = slice(a, b) if in_order else by_slot[a:b].to(self.device)
             span = int(sorted_ends[a:b].max())
-            mask = None
-            if not bool((sorted_ends[a:b] == span).all()) or n_new > 1:
-                mask = (torch.arange(span, device=self.device) <= token_positions[rows][:, :, None])[:, None]
+            masked = not bool((sorted_ends[a:b] == span).all()) or n_new > 1
             first = int(sorted_slots[a])
-            groups.append(SlotGroup(rows, slice(first, first + b - a), span, mask))
+            groups.append(SlotGroup(rows, slice(first, first + b - a), span,
+                                    self._mask(span, token_positions, rows) if masked else None))
         order = None if in_order else torch.argsort(by_slot).to(self.device)
         return CacheStep(self, device_slots, token_positions, False, tuple(groups), order)
+
+    def _advance(self, step: CacheStep) -> CacheStep:
+        """The decoding step after ``step``, over the same slots, each row one token further on.
+        Its plan is ``step``'s with every span one longer: a split's cost (``group_slots``) grows
+        by the same one position per row whatever the split, so the cheapest split stays the
+        cheapest, and rows of equal length stay equal. Only positions and masks are new."""
+        positions = step.positions + 1
+        groups = tuple(SlotGroup(group.rows, group.slots, group.span + 1,
+                                 None if group.mask is None else self._mask(group.span + 1, positions, group.rows))
+                       for group in step.groups)
+        return CacheStep(self, step.slots, positions, False, groups, step.order)
+
+    def _mask(self, span: int, positions: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+        """[rows, 1, T, span]: True where a new token may attend (positions up to its own)."""
+        return (self._arange[:span] <= positions[rows][:, :, None])[:, None]
 
     def _check(self, slots: torch.Tensor, starts: torch.Tensor, n_new: int) -> None:
         """One clear error for a request the cache cannot hold."""

@@ -71,7 +71,7 @@ class Server:
         # torch.set_num_threads holds per thread: serve.threads is set on this one itself.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="meshyard-inference",
                                            initializer=_inference_threads, initargs=(cfg.threads,))
-        self.models = ModelCache(load or (lambda source: load_engine(source, cfg.runtime)),
+        self.models = ModelCache(load or (lambda source: load_engine(source, cfg.runtime, cfg.device, cfg.dtype)),
                                  budget_bytes=cfg.memory_budget_bytes, pinned=set(cfg.pinned),
                                  executor=self.executor, metrics=self.metrics, on_evict=self._drop_lanes)
         self.cache = open_cache(cfg.cache, cfg.cache_entries, cfg.cache_ttl_s)

@@ -1,0 +1,47 @@
+"""Serving on a GPU: weights, KV cache and sampling on the CUDA device, /v1/completions answered."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from meshyard.inference.loading import describe, load_engine
+from meshyard.inference.sampling import Sampling
+from meshyard.serve.continuous import ContinuousBatcher
+from tests.serve.servers import running_servers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def test_a_checkpoint_on_cuda_keeps_weights_cache_and_tokens_on_the_device(trained_run):
+    engine = load_engine(describe(str(trained_run)), device="cuda", dtype="auto")
+    assert {p.device.type for p in engine.module.parameters()} == {"cuda"}
+    expected_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    assert {p.dtype for p in engine.module.parameters()} == {expected_dtype}
+
+    async def generate() -> tuple[list[int], ContinuousBatcher]:
+        with ThreadPoolExecutor(1) as executor:
+            batcher = ContinuousBatcher(engine, max_batch_size=2, max_queue=4, executor=executor)
+            tokens = await batcher.submit(([72, 105], Sampling(max_new_tokens=8)), deadline=1e12)
+            cache = batcher._cache
+            await batcher.close()
+            return tokens, cache
+
+    tokens, cache = asyncio.run(generate())
+    assert len(tokens) == 8
+    assert cache.device.type == "cuda" and cache.keys[0].dtype == expected_dtype
+    assert tokens == engine.generate([[72, 105]], [Sampling(max_new_tokens=8)])[0]
+
+
+def test_a_cuda_server_answers_completions(tmp_path, trained_run):
+    args = [str(trained_run), "--pin", "tiny", "--cache", "off", "--scheduler", "continuous",
+            "--serve.device=cuda", "--serve.max_new_tokens=16"]
+    with running_servers(tmp_path, [args]) as (server,):
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=60.0,
+                           json={"model": "tiny", "prompt": "def add(", "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, server.explain(reply)
+        assert reply.json()["choices"][0]["text"]
