@@ -36,6 +36,7 @@ class RunDir:
     SUMMARY: ClassVar[str] = "summary.json"  # rank 0's summary at the end
     METRICS: ClassVar[str] = "metrics.jsonl"  # one line per step (rank 0)
     RESTARTS: ClassVar[str] = "restarts.jsonl"  # one line per restart or resume
+    GUARD: ClassVar[str] = "guard.jsonl"  # one line per step the spike and NaN guard did not keep, and per rollback
     PREEMPTION: ClassVar[str] = "preemption.json"  # the last preemption, kept by rank 0
     LOGS: ClassVar[str] = "logs"  # rank logs, the agent's log, failure records, preemption copies
     FAILURES: ClassVar[str] = "failures"  # under LOGS
@@ -81,6 +82,10 @@ class RunDir:
     @property
     def restarts(self) -> Path:
         return self.path / self.RESTARTS
+
+    @property
+    def guard(self) -> Path:
+        return self.path / self.GUARD
 
     @property
     def preemption(self) -> Path:

@@ -113,7 +113,8 @@ class Checkpointer:
             state.model, state.optimizer, self.rank, saved_keys, state.per_rank, state.zero1,
         )
         for name, part in state.shared.items():
-            part.load_state_dict(shared[name])
+            if name in shared:  # a part added since that checkpoint was saved (the guard's) starts afresh
+                part.load_state_dict(shared[name])
         self.saved_step = int(shared["progress"]["step"]) if "progress" in shared else -1
         return restored_rng
 

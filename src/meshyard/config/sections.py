@@ -277,6 +277,31 @@ class FaultConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The spike and NaN guard: bad steps are dropped; several in a row roll back and skip their samples."""
+
+    enabled: bool = option(
+        False, "Judge every step before its update (one host synchronisation per step on GPUs, as with "
+        "fault.on_nonfinite = 'stop'); a bad step's update is dropped.",
+    )
+    window: int = option(50, "Kept steps whose losses make the running reference (their median and MAD).")
+    warmup_steps: int = option(
+        20, "Kept steps before a loss spike is judged at all (non-finite values are judged from the first step).")
+    spike_mads: float = option(
+        6.0, "A loss above median + spike_mads x MAD of the window is a spike (the MAD is floored at 0.1% of "
+        "the median, so a flat loss does not make every wobble a spike).",
+    )
+    bad_in_a_row: int = option(2, "Bad steps in a row that make the run roll back and skip their samples.")
+    snapshot_every: int = option(
+        10, "Copy model, optimizer and schedule state to host memory every this many steps: where a rollback "
+        "returns to.",
+    )
+    max_rollbacks: int = option(3, "Rollbacks allowed in a run; one more stops it with a message.")
+    lr_factor: float = option(1.0, "After a rollback, the learning rate is multiplied by this for lr_steps steps.")
+    lr_steps: int = option(0, "Steps after a rollback that train at the lowered learning rate (guard.lr_factor).")
+
+
+@dataclass
 class MetricsConfig:
     """What is recorded and shown while training."""
 
@@ -408,6 +433,7 @@ SECTIONS: dict[str, type] = {
     "comm": CommConfig,
     "checkpoint": CheckpointConfig,
     "fault": FaultConfig,
+    "guard": GuardConfig,
     "metrics": MetricsConfig,
     "run": RunConfig,
     "serve": ServeConfig,
@@ -427,6 +453,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)

@@ -63,9 +63,13 @@ class DataBundle:
     train_samples: int
     tokenizer_file: Path | None = None  # see ``Splits``
 
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        return self.train_loader.batch_sampler
+
     def seek(self, step: int) -> None:
-        """Make the next iterator over ``train_loader`` start at global step ``step``."""
-        self.train_loader.batch_sampler.start_step = step
+        """Make the next iterator over ``train_loader`` start after global step ``step``."""
+        self.sampler.start_step = step
 
     def eval_batches(self, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> Iterator:
         if self.val_dataset is None:

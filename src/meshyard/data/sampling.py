@@ -9,6 +9,11 @@ the ``r``-th contiguous slice of that range and cuts it into micro-batches. So:
 - the samples of a step do not depend on how many ranks share it, so a single process
   and N ranks train on the same batches (the basis of parity tests), and a position
   saved as a step index maps onto any other world size.
+
+Stretches of the stream can be skipped (``skip``: the spike and NaN guard drops the
+samples of steps it rolled back): optimizer step ``s`` then takes the ``s``-th stream
+step that is not skipped, so the skip list and a step index still say exactly where
+the stream stands.
 """
 
 from __future__ import annotations
@@ -46,6 +51,39 @@ class GlobalBatchSampler:
         self.steps_per_epoch = num_samples // global_batch  # the last partial batch is dropped
         self.start_step = 0  # where a new iterator begins (set by a resume)
         self.micro_per_step = global_batch // (micro_batch * dp_size)
+        self.skipped: list[tuple[int, int]] = []  # stream steps [first, end) never trained on, sorted
+
+    def skip(self, stream_steps: list[int]) -> None:
+        """Never take these stream steps (each a whole global batch) again."""
+        covered = {s for first, end in self.skipped for s in range(first, end)} | set(stream_steps)
+        ranges: list[tuple[int, int]] = []
+        for s in sorted(covered):
+            if ranges and ranges[-1][1] == s:
+                ranges[-1] = (ranges[-1][0], s + 1)
+            else:
+                ranges.append((s, s + 1))
+        self.skipped = ranges
+
+    def stream_step(self, step: int) -> int:
+        """The position in the stream of optimizer step ``step`` (1-based, as the trainer
+        counts) with the skipped stretches left out: the sampler's 0-based step index."""
+        position = step - 1
+        for first, end in self.skipped:
+            if first <= position:
+                position += end - first
+        return position
+
+    def _after_skips(self, position: int) -> int:
+        for first, end in self.skipped:
+            if first <= position < end:
+                return end
+        return position
+
+    def global_indices(self, stream_step: int) -> list[int]:
+        """Every sample of a stream step, over all data-parallel ranks."""
+        epoch, step_in_epoch = divmod(stream_step, self.steps_per_epoch)
+        start = step_in_epoch * self.global_batch
+        return self.epoch_order(epoch)[start : start + self.global_batch].tolist()
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -73,7 +111,7 @@ class SamplerIterator:
 
     def __init__(self, sampler: GlobalBatchSampler) -> None:
         self.sampler = sampler
-        self.step = sampler.start_step
+        self.step = sampler.stream_step(sampler.start_step + 1)
         self.micro = 0
         self._epoch = -1
         self._order: np.ndarray | None = None
@@ -90,7 +128,7 @@ class SamplerIterator:
         batch = s._slice(self._order, step_in_epoch)[self.micro]
         self.micro += 1
         if self.micro == s.micro_per_step:
-            self.step, self.micro = self.step + 1, 0
+            self.step, self.micro = s._after_skips(self.step + 1), 0
         return batch
 
 

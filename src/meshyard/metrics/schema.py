@@ -145,6 +145,8 @@ FIELDS: dict[str, Field] = {
     # rare events and windows
     "nonfinite": Field((list,), False, "", "where a NaN/inf loss or gradient norm was seen: {rank, what, value} "
                        "entries (on such steps)", "train.trainer", items=(dict,)),
+    "guard": Field((str,), False, "", "why the spike and NaN guard did not keep the step's update (only then; "
+                   "details in guard.jsonl)", "train.trainer"),
     "ranks": Field((dict,), False, "", "every rank's mean figures over the last window: RANK_FIELDS -> list by "
                    "rank (every metrics.gather_every steps)", "metrics.ranks"),
     "stragglers": Field((list,), False, "rank", "ranks whose busy time exceeds the median by "

@@ -38,6 +38,7 @@ from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.dump import config_hash, config_to_toml
 from meshyard.config.sections import Config
 from meshyard.data.loader import DataBundle, build_data
+from meshyard.fault.guard import SpikeGuard
 from meshyard.fault.preemption import NullWatcher, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
@@ -183,14 +184,17 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
         throughput=Throughput(**throughput) if throughput else None,
     )
     progress = TrainProgress()
+    guard = SpikeGuard(cfg.guard) if cfg.guard.enabled else None
     checkpointer = build_checkpointer(cfg, runtime, run_dir, parallelized, optimization, data, placement.batch,
-                                      progress, facts, observers.report)
+                                      progress, facts, observers.report, guard)
+    guard_log = JsonlWriter(RunDir(run_dir).guard) if guard is not None and runtime.is_main else NullWriter()
     services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
                               build_exporters(cfg.metrics, run_dir) if runtime.is_main else []),
-                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog)
+                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog, guard_log)
     trainer = Trainer(parallelized, runner,
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
-                      progress, on_nonfinite=cfg.fault.on_nonfinite)
+                      progress, on_nonfinite=cfg.fault.on_nonfinite, guard=guard,
+                      snapshot_every=cfg.guard.snapshot_every)
     return Assembled(trainer, facts, start, ties)
 
 
@@ -287,15 +291,17 @@ def _local_world_size(runtime: Runtime) -> int:
 
 def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelized: Parallelized,
                        optimization: Optimization, data: DataBundle, batch: BatchPlan, progress: TrainProgress,
-                       facts: RunFacts, report: Callable[[str], None]) -> Checkpointer:
-    """The checkpointer over this run's Stateful parts. Its manifests carry the layout and
-    the config, and this run's id (the same on every rank and every restart)."""
+                       facts: RunFacts, report: Callable[[str], None], guard: SpikeGuard | None = None) -> Checkpointer:
+    """The checkpointer over this run's Stateful parts (the guard's counters and window
+    among them when it is on). Its manifests carry the layout and the config, and this
+    run's id (the same on every rank and every restart)."""
     optimizer = optimization.optimizer
     compression = parallelized.compression
     state = TrainingState(
         parallelized.model, optimizer,
         shared={"progress": progress, "scheduler": SchedulerState(optimization.scheduler, optimizer),
-                "scaler": ScalerState(optimization.precision.scaler), "data": DataPosition(data, batch, progress)},
+                "scaler": ScalerState(optimization.precision.scaler), "data": DataPosition(data, batch, progress),
+                **({"guard": guard} if guard is not None else {})},
         per_rank={"comm": compression} if compression.state_dict() else {},
         zero1=parallelized.layout.zero1,
     )

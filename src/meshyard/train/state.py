@@ -68,7 +68,8 @@ class ScalerState:
 class DataPosition:
     """Where the sample stream stands. It is indexed by global step, so the position is
     valid for any world size: no sample is skipped or repeated after a resume on
-    another layout, as long as the global batch is the same."""
+    another layout, as long as the global batch is the same. The stretches of the stream
+    the spike and NaN guard skipped travel with it, so a resumed run skips them too."""
 
     def __init__(self, data: DataBundle, batch: BatchPlan, progress: TrainProgress) -> None:
         self.data = data
@@ -77,8 +78,10 @@ class DataPosition:
 
     def state_dict(self) -> dict[str, Any]:
         step = self.progress.step
+        sampler = self.data.sampler
         return {"step": step, "global_batch": self.batch.global_batch,
-                "samples_consumed": step * self.batch.global_batch}
+                "samples_consumed": sampler.stream_step(step + 1) * self.batch.global_batch,
+                "skipped_steps": [list(stretch) for stretch in sampler.skipped]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved_batch = state["global_batch"]
@@ -88,4 +91,5 @@ class DataPosition:
                 f"{self.batch.global_batch}; keep the global batch when resuming (the world size and "
                 "micro-batch may change)"
             )
+        self.data.sampler.skipped = [(int(first), int(end)) for first, end in state.get("skipped_steps", [])]
         self.data.seek(state["step"])

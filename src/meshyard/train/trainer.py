@@ -20,6 +20,14 @@ Non-finite values: with ``fault.on_nonfinite = 'stop'`` the loss flags and gradi
 norm are checked before the optimizer step (one host synchronisation per step, the
 price of never applying such an update); with 'warn' the step is reported when its
 figures are read and training goes on (fp16's loss scaler skips such updates itself).
+
+The spike and NaN guard (``[guard]``, decisions in ``fault.guard``) judges each step
+before its update in the same way: it waits for the step's agreed loss and gradient
+norm (one host synchronisation per step, so on a GPU the host no longer runs a step
+ahead of the device), drops the update of a bad step, and after several bad steps in a
+row restores the newest host snapshot (taken every ``guard.snapshot_every`` steps with
+nothing in flight), skips the samples of those steps in the data stream and goes on.
+Every decision is a line of guard.jsonl and a console note.
 """
 
 from __future__ import annotations
@@ -37,13 +45,15 @@ from torch.distributed.tensor import DTensor
 from meshyard.checkpoint.checkpointer import Checkpointer
 from meshyard.config.sections import TrainConfig
 from meshyard.data.loader import DataBundle
+from meshyard.fault.guard import KEPT, SpikeGuard, Verdict
 from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.metrics.meter import StepMeter, StepReadings
-from meshyard.metrics.records import Sinks
+from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks
 from meshyard.parallel.parallelize import Parallelized
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.train.precision import Precision
+from meshyard.train.snapshot import Snapshot, restore_snapshot, take_snapshot
 from meshyard.train.state import TrainProgress
 from meshyard.train.step import Batch, RunnerFigures, StepRunner
 
@@ -117,6 +127,8 @@ class IssuedStep:
     runner_figures: RunnerFigures
     compression_figures: dict[str, Any]
     loss_scale: float | None
+    verdict: Verdict = KEPT
+    """The spike and NaN guard's judgement (always kept without a guard)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +162,8 @@ class Services:
     checkpointer: Checkpointer
     preemption: PreemptionWatcher | NullWatcher = field(default_factory=NullWatcher)
     watchdog: HangWatchdog | NullWatchdog = field(default_factory=NullWatchdog)
+    guard_log: JsonlWriter | NullWriter = field(default_factory=NullWriter)
+    """guard.jsonl (rank 0): the spike and NaN guard's decisions."""
 
 
 class Trainer:
@@ -162,7 +176,8 @@ class Trainer:
 
     def __init__(self, parallelized: Parallelized, runner: StepRunner, optimization: Optimization, feed: Feed,
                  cfg: TrainConfig, services: Services, progress: TrainProgress, on_nonfinite: str = "warn",
-                 read_ahead: bool | None = None) -> None:
+                 read_ahead: bool | None = None, guard: SpikeGuard | None = None,
+                 snapshot_every: int = 10) -> None:
         self.model = parallelized.model
         self.compression = parallelized.compression
         self.layout = parallelized.layout
@@ -178,6 +193,10 @@ class Trainer:
             services.watchdog
         self.timer = self.meter.timer
         self.on_nonfinite = on_nonfinite
+        self.guard, self.guard_log = guard, services.guard_log
+        self.snapshot_every = snapshot_every
+        self._snapshot: Snapshot | None = None
+        self._lr_factor = 1.0  # the guard's lowering of the scheduled learning rate, in force now
         self.progress = progress
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._last_eval_loss: float | None = None
@@ -199,6 +218,7 @@ class Trainer:
         it raised)."""
         self.watchdog.stop()
         self.sinks.close()
+        self.guard_log.close()
         self.checkpoints.close()
 
     # steps ----------------------------------------------------------------------
@@ -246,7 +266,7 @@ class Trainer:
         micro_batches = self._next_micro_batches()
         data_time = time.perf_counter() - data_start
         self.timer.add("data", data_time)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[0] * self._lr_factor
         loss = self.runner.forward_backward(micro_batches)
         with self.timer.phase("comm", where="sync"):
             pending = self._start_agreement(loss)
@@ -258,20 +278,44 @@ class Trainer:
         if self.on_nonfinite == "stop":
             with self.timer.phase("comm", where="sync"):
                 self._stop_if_nonfinite(step, loss, grad_norm, pending)
+        verdict = self._judge(grad_norm, pending) if self.guard is not None else KEPT
         with self.timer.phase("optimizer"):
-            self._apply_update()
+            self._apply_update(verdict.keep)
         with self.timer.phase("comm", where="sync"):
             readout, ready = self._send_back(grad_norm, pending)
         scale = self.precision.scaler.get_scale() if self.precision.scaler.is_enabled() else None
         return IssuedStep(step, lr, data_time, readout, ready, self.meter.close_step(), self.runner.step_figures(),
-                          self.compression.take_step_stats(), scale)
+                          self.compression.take_step_stats(), scale, verdict)
 
-    def _apply_update(self) -> None:
+    def _apply_update(self, keep: bool = True) -> None:
+        """The optimizer step (left out when the guard does not ``keep`` the step: its
+        gradients are dropped, while the schedule still moves on with the step count)."""
         self.checkpoints.wait_staged()  # an async save's copy of the weights is taken before they change
-        self.precision.scaler.step(self.optimizer)
+        if keep:
+            self.precision.scaler.step(self.optimizer)
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self._follow_schedule()
+
+    def _follow_schedule(self) -> None:
+        """Set the optimizer's learning rates to the schedule's, lowered while the guard says so."""
+        factor = self.guard.lr_factor() if self.guard is not None else 1.0
+        if factor != 1.0 or self._lr_factor != 1.0:
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr * factor
+        self._lr_factor = factor
+
+    def _judge(self, grad_norm: torch.Tensor, pending: _PendingAgreement) -> Verdict:
+        """The guard's verdict on a step, before its update: waits for the agreed loss and
+        the gradient norm, which are the same on every rank, so every rank judges alike."""
+        assert self.guard is not None
+        with self.timer.phase("comm", where="sync"):
+            if pending.work is not None:
+                pending.work.wait()
+            loss_total, loss_weight = pending.flags[:2].tolist()
+            norm = grad_norm.item()
+        return self.guard.judge(loss_total / loss_weight, norm)
 
     def _send_back(self, grad_norm: torch.Tensor, pending: _PendingAgreement) -> tuple[torch.Tensor, Any]:
         """The step's ``READOUT`` on its way to the host. The agreement was started before
@@ -333,6 +377,9 @@ class Trainer:
         record.update(issued.compression_figures)
         if nonfinite or not math.isfinite(record["grad_norm"]):
             record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
+        if not issued.verdict.keep:
+            record["guard"] = issued.verdict.reason
+            self._report_not_kept(step, issued.verdict, agreed.loss, record["grad_norm"])
         if self.meter.gather_due(step):
             record.update(self.meter.gather() or {})
         self._last_eval_loss = None
@@ -351,7 +398,7 @@ class Trainer:
         """Whether step ``step + 1`` may be issued before ``step`` is settled: not when
         anything reads or saves the weights of ``step`` (evaluation, a checkpoint)."""
         return (self.read_ahead and step < self.cfg.steps and not self.checkpoints.due(step)
-                and not self._should_evaluate(step))
+                and not self._should_evaluate(step) and not self._snapshot_step(step))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -376,13 +423,18 @@ class Trainer:
         start = self._period_start = time.perf_counter()
         self.sinks.display.start(self.progress.step)
         in_flight: IssuedStep | None = None
-        preempt = time_save = False
+        preempt = time_save = roll_back = False
+        if self.guard is not None:
+            self._take_snapshot(force=True)  # a rollback always has somewhere to go
+            self._lr_factor = 0.0  # a resumed run lowered its learning rate: so does this one
+            self._follow_schedule()
         try:
             while self.progress.step < self.cfg.steps:
                 issued = None
                 next_step = (in_flight.step if in_flight else self.progress.step) + 1
                 if next_step <= self.cfg.steps and not (preempt or time_save) and (
-                        in_flight is None or self._may_issue_ahead(in_flight.step)):
+                        in_flight is None or (self._may_issue_ahead(in_flight.step)
+                                              and not in_flight.verdict.roll_back)):
                     try:
                         issued = self.issue_step(next_step)
                     except NonFiniteError:
@@ -392,10 +444,18 @@ class Trainer:
                 if in_flight is not None:
                     _, agreed = self.settle_step(in_flight)
                     preempt, time_save = preempt or agreed.preempt, time_save or agreed.save_now
+                    roll_back = roll_back or in_flight.verdict.roll_back
                 in_flight = issued
                 if in_flight is not None:
                     continue
                 # Nothing in flight: the weights are those of progress.step.
+                if roll_back:
+                    # Back at the snapshot's step, whose checkpoint (if one is due there) was saved before.
+                    roll_back = False
+                    self._roll_back()
+                    continue
+                if self._snapshot_step(self.progress.step):
+                    self._take_snapshot()
                 if preempt:
                     self._stop_for_preemption()
                 if time_save or self.checkpoints.due(self.progress.step):
@@ -428,6 +488,54 @@ class Trainer:
             raise NonFiniteError(f"non-finite values at step {step}: {where}; stopping before its update "
                                  "(fault.on_nonfinite = 'stop'). Lower optim.lr, check the data, or use fp32.")
         return found
+
+    # the spike and NaN guard ------------------------------------------------------------
+    def _snapshot_step(self, step: int) -> bool:
+        return self.guard is not None and step % self.snapshot_every == 0
+
+    def _take_snapshot(self, force: bool = False) -> None:
+        """Copy the state of ``progress.step`` to the host, unless a run of bad steps is
+        under way (its rollback must go back beyond them)."""
+        if self.guard is None or (self.guard.in_a_row and not force):
+            return
+        self._snapshot = take_snapshot(self.progress.step, self.progress.tokens_seen, self.model, self.optimizer,
+                                       self.scheduler, self.precision.scaler, self.device)
+
+    def _roll_back(self) -> None:
+        """Restore the newest snapshot and skip the samples of the bad steps that asked for
+        it (raises ``GuardStop`` past ``guard.max_rollbacks``)."""
+        assert self.guard is not None and self._snapshot is not None
+        snapshot, from_step, sampler = self._snapshot, self.progress.step, self.data.sampler
+        stream_steps = [sampler.stream_step(step) for step in range(from_step - self.guard.in_a_row + 1,
+                                                                    from_step + 1)]
+        self.guard.start_rollback(from_step, snapshot.step)
+        restore_snapshot(snapshot, self.model, self.optimizer, self.scheduler, self.precision.scaler, self.device)
+        self.progress.step, self.progress.tokens_seen = snapshot.step, snapshot.tokens_seen
+        sampler.skip(stream_steps)
+        self.data.seek(snapshot.step)
+        self._train_iter = iter(self.data.train_loader)
+        self._lr_factor = 0.0  # forces the rates back to the restored schedule's
+        self._follow_schedule()
+        skipped = sorted(index for stream_step in stream_steps for index in sampler.global_indices(stream_step))
+        self.guard_log.write({"event": "rollback", "step": from_step, "to_step": snapshot.step,
+                              "rollback": self.guard.rollbacks, "skipped_stream_steps": stream_steps,
+                              "skipped_samples": skipped, "lr_factor": self._lr_factor,
+                              "lr_steps": self.guard.lr_steps_left, "time": time.time()})
+        self.sinks.warn(f"guard: rolled back from step {from_step} to step {snapshot.step} (rollback "
+                        f"{self.guard.rollbacks}); skipping the {len(skipped)} samples of stream steps "
+                        f"{stream_steps}")
+        self._period_start = time.perf_counter()
+
+    def _report_not_kept(self, step: int, verdict: Verdict, loss: float, grad_norm: float) -> None:
+        sampler = self.data.sampler
+        stream_step = sampler.stream_step(step)
+        self.guard_log.write({"event": "not kept", "step": step, "reason": verdict.reason, "loss": loss,
+                              "grad_norm": grad_norm, "threshold": verdict.threshold, "in_a_row": verdict.in_a_row,
+                              "stream_step": stream_step, "samples": sorted(sampler.global_indices(stream_step)),
+                              "time": time.time()})
+        threshold = f", threshold {verdict.threshold:.4g}" if verdict.threshold is not None else ""
+        self.sinks.warn(f"guard: step {step} not kept ({verdict.reason}: loss {loss:.4g}{threshold}, gradient norm "
+                        f"{grad_norm:.4g}); {verdict.in_a_row} bad in a row")
 
     def _checkpoint_figures(self) -> dict[str, Any]:
         """How long the last save held up training, and saves that finished since the last
