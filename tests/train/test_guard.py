@@ -27,7 +27,8 @@ RUN = ("--data.seq_len=16", "--train.steps=36", "--train.global_batch=8", "--opt
 GUARD = ("--guard.enabled=true", "--guard.window=8", "--guard.warmup_steps=5", "--guard.snapshot_every=5",
          "--guard.spike_mads=4", "--guard.bad_in_a_row=2")
 # The guarded run trains its last 10 steps on samples 2 steps further down the stream
-# than the clean run, so the two end close, not equal: 1.37 against 1.33 when written.
+# than the clean run, so the two end close, not equal: mean of the last 3 losses 1.356
+# against 1.335 when written (a gap of 0.02; the tolerance is 3 times that).
 FINAL_LOSS_TOLERANCE = 0.06
 
 
