@@ -1,21 +1,38 @@
-"""Dynamic batching in `meshyard serve`: throughput and latency with batching on and off,
-side by side on the same model, in the same job.
+"""Batching and streaming in `meshyard serve`: throughput and latency side by side on the
+same model, in the same job.
 
-Two server processes serve the same checkpoint: one batches (serve.max_batch_size, waiting
-at most serve.max_wait_ms for a batch to fill), the other runs every request alone
-(max_batch_size 1). For each concurrency a bounded closed-loop load generator on loopback
-keeps that many requests in flight (each client sends its next request when the last one
-is answered) until it has sent its share; the servers take turns, so both see the same
-machine. The prediction cache is off and every prompt differs, so every request runs the
-model. Printed: requests/s and p50/p95/p99 latency for each side, the throughput ratio
-and the p95 ratio (target: >= 3x throughput at equal or lower p95 for concurrency >= 16).
+1. Dynamic batching. Two server processes serve the same checkpoint: one batches
+(serve.max_batch_size, waiting at most serve.max_wait_ms for a batch to fill), the other
+runs every request alone (max_batch_size 1). For each concurrency a bounded closed-loop load
+generator on loopback keeps that many generate requests in flight (each client sends its
+next request when the last one is answered) until it has sent its share; the servers take
+turns, so both see the same machine. The prediction cache is off and every prompt differs,
+so every request runs the model. Printed: requests/s and p50/p95/p99 latency for each side,
+the throughput ratio and the p95 ratio (target: >= 3x throughput at equal or lower p95 for
+concurrency >= 16).
 
 A low-traffic run then sends one request at a time with pauses between them: there a
 batch never fills, so batching can only add its wait; its p99 must exceed the unbatched
 p99 by at most max_wait_ms.
 
+2. Streaming. ``POST /v1/completions`` through both schedulers (the batching server above,
+serve.scheduler "dynamic", and a third process with "continuous"), asked with and without
+``stream: true`` by an httpx client reading the server-sent events as they come. For each
+scheduler and concurrency the two modes alternate in rounds (streamed first in even
+rounds, answered whole first in odd ones), so a burst of load on the shared machine hits
+both alike. Printed for each: completion tokens/s, time to first token (TTFT) p50/p95 (for
+a request answered whole, its full latency) and, for streamed requests, the inter-token
+latency p50/p95 (the gaps between a stream's chunks: one per step). The streaming cost is
+streamed tokens/s over whole-answer tokens/s at concurrency 16 (target: >= 0.95, i.e.
+streaming costs at most 5% of throughput).
+
     python benchmarks/serve.py [--run RUN_DIR] [--model gpt-mini] [--concurrency 1,4,16,32]
                                [--requests 256] [--new-tokens 8] [--prompt-tokens 32]
+                               [--stream-concurrency 16] [--stream-requests 64] [--stream-rounds 4]
+                               [--parts batching,streaming]
+
+``--run`` must hold a model with a tokenizer for part 2 (the default run trains one step on
+the repository's README.md, byte-tokenized).
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -43,8 +61,11 @@ REPO = Path(__file__).resolve().parents[1]
 def train_run(args: argparse.Namespace, folder: Path) -> Path:
     """A checkpointed run of the benchmark's model: weights do not matter for speed."""
     run_dir = folder / "run"
+    corpus = folder / "corpus.txt"  # any text: the completions route needs the run's tokenizer
+    corpus.write_text((REPO / "README.md").read_text())
     config = meshyard.load_config(None, [
-        f"--model.name={args.model}", "--data.source=random", "--data.vocab_size=256",
+        f"--model.name={args.model}", "--data.source=text", f"--data.paths=['{corpus}']",
+        f"--data.cache_dir={folder / 'cache'}",
         f"--data.seq_len={args.prompt_tokens + args.new_tokens}", "--train.steps=1", "--train.global_batch=2",
         "--train.eval_every=0", "--metrics.progress_bar=false", "--checkpoint.enabled=true",
         "--checkpoint.async_save=false", f"--run.run_dir={run_dir}", "--run.name=bench",
@@ -205,6 +226,97 @@ def low_traffic(servers: dict[str, ServerProcess], args: argparse.Namespace) -> 
     return met
 
 
+@dataclass
+class Streaming:
+    """One scheduler, concurrency and mode, over all its rounds."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # to the first chunk (whole: to the answer)
+    gaps_s: list[float] = field(default_factory=list)  # between a stream's chunks
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+async def completions_load(url: str, concurrency: int, requests: int, stream: bool, args: argparse.Namespace,
+                           into: Streaming, seed: int) -> None:
+    """``requests`` completions, ``concurrency`` at a time, streamed or answered whole, added
+    to ``into``."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 256) for _ in range(args.prompt_tokens)] for _ in range(requests)]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one_client(client: httpx.AsyncClient, share: list[list[int]]) -> None:
+        for prompt in share:
+            body = {"model": "bench", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
+                    "stream": stream}
+            start = time.perf_counter()
+            if not stream:
+                reply = await client.post("/v1/completions", json=body)
+                if reply.status_code != 200:
+                    raise SystemExit(f"request failed: {reply.status_code} {reply.text[:500]}")
+                into.ttft_s.append(time.perf_counter() - start)
+                continue
+            chunks: list[float] = []
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                async for line in reply.aiter_lines():
+                    if line.startswith('data: {"id"'):  # a chunk of the completion
+                        chunks.append(time.perf_counter())
+                    elif line.startswith("data: {") or (reply.status_code != 200 and line):
+                        raise SystemExit(f"stream failed: {reply.status_code} {line[:500]}")
+            into.ttft_s.append(chunks[0] - start)
+            into.gaps_s.extend(b - a for a, b in zip(chunks, chunks[1:]))
+
+    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client(client, prompts[i::concurrency]) for i in range(concurrency)))
+        into.wall_s += time.perf_counter() - start
+    into.tokens += requests * args.new_tokens  # no stop strings: every completion has max_tokens
+
+
+def stream_sweep(servers: dict[str, ServerProcess], args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    """(scheduler, concurrency) -> {"streamed": Streaming, "whole": Streaming}, the modes in
+    alternating rounds."""
+    results = {}
+    for scheduler, label in (("dynamic", "batched"), ("continuous", "continuous")):
+        url = servers[label].url
+        for concurrency in args.stream_concurrency:
+            modes = {"streamed": Streaming(), "whole": Streaming()}
+            for stream in (True, False):  # warm both paths first
+                asyncio.run(completions_load(url, concurrency, concurrency, stream, args, Streaming(), seed=1))
+            for round_ in range(args.stream_rounds):
+                order = ("streamed", "whole") if round_ % 2 == 0 else ("whole", "streamed")
+                for mode in order:
+                    asyncio.run(completions_load(url, concurrency, args.stream_requests, mode == "streamed", args,
+                                                 modes[mode], seed=1000 * concurrency + round_))
+            results[(scheduler, concurrency)] = modes
+    return results
+
+
+def print_streaming(results: dict[tuple[str, int], dict], args: argparse.Namespace) -> bool:
+    print(f"\nstreaming: POST /v1/completions, {args.new_tokens} tokens each, {args.stream_rounds} rounds of "
+          f"{args.stream_requests} requests per mode, streamed and whole in alternation")
+    print(f"{'scheduler':<10} {'conc':>4} {'mode':<8} | {'tok/s':>7} | {'TTFT p50':>8} {'p95 (ms)':>8} | "
+          f"{'ITL p50':>7} {'p95 (ms)':>8}")
+    for (scheduler, concurrency), modes in results.items():
+        for mode, m in modes.items():
+            itl = (f"{percentile(m.gaps_s, 50) * 1e3:>7.1f} {percentile(m.gaps_s, 95) * 1e3:>8.1f}" if m.gaps_s
+                   else f"{'-':>7} {'-':>8}")
+            print(f"{scheduler:<10} {concurrency:>4} {mode:<8} | {m.tokens_per_s:>7.0f} | "
+                  f"{percentile(m.ttft_s, 50) * 1e3:>8.1f} {percentile(m.ttft_s, 95) * 1e3:>8.1f} | {itl}")
+    met = True
+    for (scheduler, concurrency), modes in results.items():
+        if concurrency != 16:
+            continue
+        ratio = modes["streamed"].tokens_per_s / modes["whole"].tokens_per_s
+        met &= ratio >= 0.95
+        print(f"streaming cost, {scheduler}, concurrency 16: streamed / whole tokens/s = {ratio:.3f} "
+              f"(target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")
+    return met
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", help="run directory to serve (default: train --model for one step)")
@@ -216,22 +328,36 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--stream-concurrency", default="16", type=lambda s: [int(x) for x in s.split(",")],
+                        help="concurrencies of part 2 (the streaming cost is read at 16)")
+    parser.add_argument("--stream-requests", type=int, default=64, help="requests per mode and round in part 2")
+    parser.add_argument("--stream-rounds", type=int, default=4, help="alternating rounds per mode in part 2")
+    parser.add_argument("--parts", default="batching,streaming", type=lambda s: s.split(","),
+                        help="which parts to run: batching (1), streaming (2)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder_name:
         folder = Path(folder_name)
         run_dir = Path(args.run) if args.run else train_run(args, folder)
         servers = {
             "batched": ServerProcess(run_dir, folder, "batched", f"--serve.max_batch_size={args.max_batch}",
-                                     f"--serve.max_wait_ms={args.max_wait_ms}"),
-            "unbatched": ServerProcess(run_dir, folder, "unbatched", "--serve.max_batch_size=1"),
+                                     f"--serve.max_wait_ms={args.max_wait_ms}", "--serve.scheduler=dynamic"),
         }
+        if "batching" in args.parts:
+            servers["unbatched"] = ServerProcess(run_dir, folder, "unbatched", "--serve.max_batch_size=1")
+        if "streaming" in args.parts:
+            servers["continuous"] = ServerProcess(run_dir, folder, "continuous", "--serve.scheduler=continuous",
+                                                  f"--serve.max_batch_size={args.max_batch}")
+        met = True
         try:
             print(f"model {args.model}: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each, "
-                  f"max_batch_size {args.max_batch}, max_wait_ms {args.max_wait_ms:g}, {args.requests} requests per cell")
-            rows = sweep(servers, args)
-            met = print_sweep(rows, args)
-            print(f"mean batch size of the batching server: {mean_batch_size(servers['batched'].url):.1f}")
-            met &= low_traffic(servers, args)
+                  f"max_batch_size {args.max_batch}, max_wait_ms {args.max_wait_ms:g}")
+            if "batching" in args.parts:
+                print(f"1. dynamic batching: {args.requests} requests per cell")
+                met &= print_sweep(sweep(servers, args), args)
+                print(f"mean batch size of the batching server: {mean_batch_size(servers['batched'].url):.1f}")
+                met &= low_traffic(servers, args)
+            if "streaming" in args.parts:
+                met &= print_streaming(stream_sweep(servers, args), args)
         finally:
             for server in servers.values():
                 server.stop()

@@ -61,3 +61,38 @@ def test_requests_the_cache_cannot_serve_are_refused(engine):
         generate_with_cache(engine.module, [[1, VOCAB]], [Sampling()], CONTEXT, VOCAB)
     with pytest.raises(TypeError, match="does not implement the KV-cache protocol"):
         generate_with_cache(MLP(VOCAB, d_model=8), prompts_of([2]), [Sampling()], CONTEXT, VOCAB)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["kv-cache", "recomputing"])
+def test_on_step_sees_every_token_as_drawn_and_stops_the_rows_it_names(engine, cached):
+    prompts = prompts_of([5, 9, 2], seed=8)
+    sampling = [Sampling(max_new_tokens=n) for n in (6, 3, 10)]
+
+    def generate(on_step):
+        if cached:
+            return generate_with_cache(engine.module, prompts, sampling, CONTEXT, VOCAB, on_step)
+        with torch.inference_mode():
+            return generate_by_recomputing(engine.forward, prompts, sampling, CONTEXT, VOCAB, on_step)
+
+    whole = generate(None)
+    seen: list[list[int]] = [[] for _ in prompts]
+    steps: list[list[int]] = []
+
+    def watch(rows: list[int], tokens: list[int]) -> set[int]:
+        steps.append(rows)
+        for row, token in zip(rows, tokens):
+            seen[row].append(token)
+        return set()
+
+    assert generate(watch) == whole == seen
+    assert steps[:3] == [[0, 1, 2]] * 3 and steps[3:] == [[0, 2]] * 3 + [[2]] * 4  # a step per token, rows leave
+    drawn = [0] * len(prompts)
+
+    def stop_row_2_at_four(rows: list[int], tokens: list[int]) -> set[int]:
+        for row in rows:
+            drawn[row] += 1
+        return {2} if drawn[2] >= 4 else set()
+
+    # Row 2 stops after its fourth token (its reader left): it draws no more, the others go on.
+    assert generate(stop_row_2_at_four) == [whole[0], whole[1], whole[2][:4]]
+    assert drawn == [6, 3, 4]

@@ -1,8 +1,8 @@
 """The OpenAI-compatible API of ``meshyard serve``, asked through the official ``openai`` client.
 
 Two servers run for the module, on the trained text model (pinned) and a user's model on
-token ids: ``continuous`` streams a completion at every decoding step, ``dynamic`` when its
-batch's generate call ends. Completions are short and greedy unless a test says otherwise.
+token ids: ``continuous`` and ``dynamic``, each streaming a completion at every decoding
+step. Completions are short and greedy unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -62,20 +62,33 @@ def test_greedy_completions_streamed_or_not_are_the_generate_routes_text(servers
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
-    if which == 0:  # a chunk per decoding step; the step that prefills a prompt also decodes its second token
-        assert len([c for c in chunks if c.choices]) == 11
+    # A chunk per step: the continuous step that prefills a prompt also decodes its second
+    # token; a dynamic batch's prefill gives the first token, each decoding step one more.
+    assert len([c for c in chunks if c.choices]) == (11 if which == 0 else 12)
 
 
-def test_stop_strings_echo_n_and_prompts_as_token_ids(continuous):
-    client = client_of(continuous)
-    full = generated_text(continuous, 24)
-    stop = full[6:9]
+@pytest.mark.parametrize("which", [0, 1], ids=["continuous", "dynamic"])
+def test_stop_strings_end_a_choice_streamed_or_not(servers, which):
+    server = servers[which]
+    client = client_of(server)
+    full = generated_text(server, 24)
+    stop = full[6:9]  # three characters: three byte tokens, met over three steps
     cut = full[: full.find(stop)]
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
     assert (answer.choices[0].text, answer.choices[0].finish_reason) == (cut, "stop")
     streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
                                               stop=stop, stream=True))
+    # Text once sent is never taken back: the stop string's first characters were held back.
     assert "".join(c.choices[0].text for c in streamed) == cut and streamed[-1].choices[0].finish_reason == "stop"
+    assert len(streamed) > 1
+    # Greedy and sampled alike: the streamed text is the text answered whole.
+    sampled = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "temperature": 0.9, "seed": 11}
+    whole = client.completions.create(**sampled).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(**sampled, stream=True)) == whole
+
+
+def test_echo_n_and_prompts_as_token_ids(continuous):
+    client = client_of(continuous)
     ids = list(PROMPT.encode())  # the byte tokenizer: ids are the UTF-8 bytes
     answer = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=4, temperature=0.8, seed=7,
                                        n=2, echo=True, logprobs=2)
@@ -120,6 +133,20 @@ def test_the_model_listing_serves_openai_clients_and_todays(continuous):
     assert all(model.object == "model" and model.owned_by == "meshyard" for model in listed.data)
     assert {m["name"] for m in httpx.get(f"{continuous.url}/v1/models", timeout=30.0).json()["models"]} \
         == {"custom", "tiny"}
+
+
+def test_a_client_that_leaves_a_dynamic_stream_frees_its_row(servers):
+    dynamic = servers[1]
+    with httpx.stream("POST", f"{dynamic.url}/v1/completions", timeout=60.0,
+                      json={"model": "tiny", "prompt": "a", "max_tokens": 62, "stream": True}) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        assert next(reply.iter_lines()).startswith("data: {")
+    # The row stops at the next step, its batch ends early and its answer is dropped without
+    # an error; the server answers a full batch of new requests.
+    client = client_of(dynamic)
+    for _ in range(2):
+        assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].finish_reason == "length"
+    assert "Traceback" not in dynamic.log(), dynamic.explain()
 
 
 def test_a_client_that_leaves_a_stream_frees_its_slot(continuous):

@@ -5,11 +5,16 @@ Works with any module that follows the protocol of ``meshyard.models.kv_cache`` 
 GPT does). ``prefill`` and ``decode_step`` are the two forwards the continuous batcher
 (``meshyard.serve.continuous``) interleaves between requests; ``generate_with_cache`` is
 the plain batched loop over them.
+
+Both generation loops (this one and ``meshyard.inference.engine.generate_by_recomputing``)
+take an ``OnStep`` callback: after every step it gets the token each row drew, and answers
+which rows nobody reads any more. That is how a server streams a batch's tokens as they
+are decoded and frees the rows of clients that left, without a loop of its own.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +23,11 @@ from meshyard.inference.checks import check_prompts
 from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache, supports_kv_cache
 from meshyard.models.outputs import logits_of
+
+OnStep = Callable[[list[int], list[int]], Collection[int]]
+"""on_step(rows, tokens) after each step of a batch's generation: ``tokens[i]`` is what row
+``rows[i]`` (an index into the prompts) drew. It returns the rows to stop: they draw no
+more, and their result holds the tokens drawn so far. Called on the generating thread."""
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -74,11 +84,11 @@ def _prefill_by_length(module: nn.Module, cache: KVCache, slot_of: dict[int, int
 
 
 def generate_with_cache(module: nn.Module, prompts: list[list[int]], sampling: list[Sampling],
-                        context_length: int, vocab_size: int) -> list[list[int]]:
+                        context_length: int, vocab_size: int, on_step: OnStep | None = None) -> list[list[int]]:
     """The new tokens of each prompt (exactly ``sampling[i].max_new_tokens`` for row i, no stop
-    token), decoded with a KV cache: one prefill forward per prompt, then one batched forward
-    per step over all unfinished rows. Row i's tokens equal what it gives alone (each row draws
-    from its own generator)."""
+    token, unless ``on_step`` stopped the row), decoded with a KV cache: one prefill forward
+    per prompt, then one batched forward per step over all unfinished rows. Row i's tokens
+    equal what it gives alone (each row draws from its own generator)."""
     require_kv_cache(module)
     check_prompts(prompts, sampling, vocab_size, context_length)
     rows = [i for i, settings in enumerate(sampling) if settings.max_new_tokens > 0]
@@ -96,7 +106,9 @@ def generate_with_cache(module: nn.Module, prompts: list[list[int]], sampling: l
                                  vocab_size).tolist()
             for row, token in zip(rows, chosen):
                 out[row].append(token)
-            going = [(row, token) for row, token in zip(rows, chosen) if len(out[row]) < sampling[row].max_new_tokens]
+            stopped = on_step(rows, chosen) if on_step is not None else ()
+            going = [(row, token) for row, token in zip(rows, chosen)
+                     if len(out[row]) < sampling[row].max_new_tokens and row not in stopped]
             if not going:
                 return out
             rows = [row for row, _ in going]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshyard.inference.checks import check_prompts, check_sequences
-from meshyard.inference.decoding import device_of, generate_with_cache
+from meshyard.inference.decoding import OnStep, device_of, generate_with_cache
 from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import supports_kv_cache
 from meshyard.models.outputs import logits_of
@@ -38,8 +38,11 @@ class Engine(Protocol):
         """[B, V] float32: the logits after each sequence's last token, from one forward."""
         ...
 
-    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
-        """The new tokens of each prompt; row i has exactly ``sampling[i].max_new_tokens``."""
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling],
+                 on_step: OnStep | None = None) -> list[list[int]]:
+        """The new tokens of each prompt; row i has exactly ``sampling[i].max_new_tokens``
+        unless ``on_step`` (called after every step, see ``meshyard.inference.decoding``)
+        stopped it."""
         ...
 
     def warm_up(self) -> None:
@@ -67,11 +70,11 @@ def last_logits(forward: Forward, sequences: Sequence[Sequence[int]]) -> torch.T
 
 
 def generate_by_recomputing(forward: Forward, prompts: list[list[int]], sampling: list[Sampling],
-                            context_length: int, vocab_size: int) -> list[list[int]]:
+                            context_length: int, vocab_size: int, on_step: OnStep | None = None) -> list[list[int]]:
     """New tokens for each prompt, recomputing the whole padded batch at every step.
 
     Each step is one forward over the rows still generating; a row leaves once it has its
-    ``max_new_tokens``. Row i draws from its own generator, so its tokens equal what it
+    ``max_new_tokens``, or when ``on_step`` stops it. Row i draws from its own generator, so its tokens equal what it
     gets alone. Raises ValueError on ids outside the vocabulary or a prompt plus its new
     tokens longer than ``context_length``.
     """
@@ -79,15 +82,19 @@ def generate_by_recomputing(forward: Forward, prompts: list[list[int]], sampling
     generators = [generator_for(s) for s in sampling]
     sequences = [list(p) for p in prompts]
     new: list[list[int]] = [[] for _ in prompts]
+    stopped: set[int] = set()
     while True:
-        active = [i for i, s in enumerate(sampling) if len(new[i]) < s.max_new_tokens]
+        active = [i for i, s in enumerate(sampling) if len(new[i]) < s.max_new_tokens and i not in stopped]
         if not active:
             return new
         logits = last_logits(forward, [sequences[i] for i in active])
-        chosen = next_tokens(logits, [sampling[i] for i in active], [generators[i] for i in active], vocab_size)
-        for i, token in zip(active, chosen.tolist()):
+        chosen = next_tokens(logits, [sampling[i] for i in active], [generators[i] for i in active],
+                             vocab_size).tolist()
+        for i, token in zip(active, chosen):
             sequences[i].append(token)
             new[i].append(token)
+        if on_step is not None:
+            stopped.update(on_step(active, chosen))
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -120,10 +127,12 @@ class ForwardEngine:
         with torch.inference_mode():
             return last_logits(self.forward, sequences)[:, : self.vocab_size]
 
-    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling],
+                 on_step: OnStep | None = None) -> list[list[int]]:
         """The new tokens of each prompt, recomputing the padded batch at every step."""
         with torch.inference_mode():
-            return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size)
+            return generate_by_recomputing(self.forward, prompts, sampling, self.context_length, self.vocab_size,
+                                           on_step)
 
     def warm_up(self) -> None:
         """One forward of a single token (a runtime's first call plans its kernels)."""
@@ -149,9 +158,11 @@ class EagerEngine(ForwardEngine):
         """[B, T] ids (on any device) to [B, T, V] logits on the module's device."""
         return logits_of(self.module(batch.to(self.device)))
 
-    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling],
+                 on_step: OnStep | None = None) -> list[list[int]]:
         """The new tokens of each prompt: with a KV cache when the module has one (the same
         tokens, each step's cost independent of the prefix), else by recomputing the prefix."""
         if self._has_kv_cache:
-            return generate_with_cache(self.module, prompts, sampling, self.context_length, self.vocab_size)
-        return super().generate(prompts, sampling)
+            return generate_with_cache(self.module, prompts, sampling, self.context_length, self.vocab_size,
+                                       on_step)
+        return super().generate(prompts, sampling, on_step)

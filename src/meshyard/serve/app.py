@@ -32,6 +32,7 @@ from meshyard.inference.source import ModelSource
 from meshyard.models.kv_cache import supports_kv_cache
 from meshyard.serve.batching import ClientDisconnected, DynamicBatcher
 from meshyard.serve.continuous import ContinuousBatcher
+from meshyard.serve.dynamic_generate import DynamicGenerateItem, run_generate
 from meshyard.serve.metrics import ServeMetrics
 from meshyard.serve.model_cache import ModelCache
 from meshyard.serve.prediction_cache import cache_key, open_cache
@@ -136,7 +137,7 @@ class Server:
             return Lane(batcher, engine)
 
         def on_batch(items: list[Any], seconds: float) -> None:
-            new_tokens = sum(item[2].max_new_tokens for item in items) if endpoint == "generate" else 0
+            new_tokens = sum(item.sampling.max_new_tokens for item in items) if endpoint == "generate" else 0
             self.metrics.observe_batch(name, version, endpoint, len(items), seconds, new_tokens)
 
         run = run_generate if endpoint == "generate" else run_logits
@@ -157,13 +158,6 @@ def _has_kv_cache(engine: Engine) -> bool:
     protocol); other models fall back to the dynamic batcher."""
     module = getattr(engine, "module", None)
     return module is not None and supports_kv_cache(module)
-
-
-def run_generate(items: list[tuple[Engine, list[int], Any]]) -> list[list[int]]:
-    """One generate batch (in the inference thread). All items of a lane share one engine:
-    each holds its model in use while it waits, so the model cannot be swapped meanwhile."""
-    engine = items[0][0]
-    return engine.generate([tokens for _, tokens, _ in items], [sampling for _, _, sampling in items])
 
 
 def run_logits(items: list[tuple[Engine, list[int], int]]) -> list[Any]:
@@ -285,7 +279,8 @@ async def generate(server: Server, request: Request, exchange: Exchange) -> dict
             raise BadRequest(f"model '{source.name}' gives next-token distributions only and cannot generate; "
                              f"ask POST /v1/models/{source.name}/logits instead")
         lane = server.lane(source, "generate", engine)
-        item = (call.tokens, call.sampling) if lane.engine is not None else (engine, call.tokens, call.sampling)
+        item = (call.tokens, call.sampling) if lane.engine is not None \
+            else DynamicGenerateItem(engine, call.tokens, call.sampling)
         tokens = await lane.batcher.submit(item, deadline, request.is_disconnected)
     result: dict[str, Any] = {"model": source.name, "version": source.version, "tokens": tokens}
     if source.tokenizer is not None:

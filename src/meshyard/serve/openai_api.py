@@ -4,13 +4,16 @@ request) and ``POST /v1/chat/completions`` (the OpenAI fields of ``GET /v1/model
 
 A completions request is checked (``meshyard.serve.completions``), its model chosen as a
 generate request's is (the ``model`` field, and the ``X-Model-Version`` header), and each of
-its choices (n per prompt) goes to the model's generate batcher as one request. A chat
-request is the completion of the prompt its messages make (``meshyard.serve.chat``), run
-the same way; only the shape of its answer differs (``TextShape`` or ``ChatShape``). The
-continuous batcher gives a choice's tokens at every decoding step; the dynamic batcher runs
-a whole batch in one ``generate`` call, so a choice's tokens come at once when it ends.
-Each choice's text goes through a ``TextStream``; a choice that meets a stop string stops
-reading its tokens, which frees its slot in a continuous batch at the next step. A
+its choices (n per prompt) goes to the model's generate batcher as one request. Both
+batchers give a choice's tokens at every decoding step: the continuous batcher by its own
+loop, the dynamic batcher through its batch's ``generate`` call
+(``meshyard.serve.dynamic_generate``), where a choice asks for its steps only when they
+are read before the end (streamed, or a stop string may end it early); otherwise its tokens
+come at once. Each choice's text goes through a ``TextStream``; a choice that meets a stop
+string, or whose client left, stops reading its tokens, which frees its row (its slot in a
+continuous batch, its row of a dynamic batch) at the next step. A chat request is the
+completion of the prompt its messages make (``meshyard.serve.chat``), run the same way;
+only the shape of its answer differs (``TextShape`` or ``ChatShape``). A
 streamed request is answered once its first tokens are there, so a refusal before them
 (full queue, deadline) still gets its status; a failure after them ends the stream with
 an error event. Errors are OpenAI's error objects.
@@ -36,6 +39,7 @@ from meshyard.inference.sampling import Sampling
 from meshyard.serve.app import request_payload
 from meshyard.serve.chat import ChatShape, parse_chat, template_for
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
+from meshyard.serve.dynamic_generate import DynamicGenerateItem, streamed
 from meshyard.serve.requests import bad, shown
 from meshyard.serve.routing import VERSION_HEADER
 from meshyard.serve.types import BadRequest, DeadlineExceeded, NotFound, QueueFull, ServeError
@@ -151,13 +155,13 @@ async def _answer(server: Server, request: Request, source: ModelSource, call: C
 
 
 async def _completion(head: dict[str, Any], call: CompletionCall, shape: Shape,
-                      events: AsyncIterator[Event]) -> dict[str, Any]:
+                      events: AsyncIterator[list[Event]]) -> dict[str, Any]:
     """Every event of every choice, gathered into OpenAI's completion object."""
     texts = {index: "" for index, _, _ in call.choices()}
     logprobs: dict[int, dict[str, list[Any]] | None] = {index: None for index in texts}
     finishes: dict[int, str | None] = {index: None for index in texts}
     completion_tokens = 0
-    async for event in events:
+    async for event in _one_by_one(events):
         texts[event.index] += event.text
         completion_tokens += event.tokens
         if event.logprobs is not None:
@@ -177,22 +181,34 @@ def _usage(call: CompletionCall, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _sse(head: dict[str, Any], call: CompletionCall, shape: Shape, first: Event,
-               events: AsyncIterator[Event]) -> AsyncIterator[str]:
+async def _one_by_one(events: AsyncIterator[list[Event]]) -> AsyncIterator[Event]:
+    async for ready in events:
+        for event in ready:
+            yield event
+
+
+async def _sse(head: dict[str, Any], call: CompletionCall, shape: Shape, first: list[Event],
+               events: AsyncIterator[list[Event]]) -> AsyncIterator[str]:
     """The stream's server-sent events: a chunk per event, the usage chunk when asked for,
-    then ``[DONE]``; a failure after the first chunk ends it with an error event."""
+    then ``[DONE]``; a failure after the first chunk ends it with an error event. The chunks
+    of the events that are ready together go out in one write (one send through the server
+    and one read for the client, where the stream's steps came faster than it was written)."""
     completion_tokens = 0
+    usage = {"usage": None} if call.include_usage else {}
     started: set[int] = set()  # the choices that had their first chunk
     async with aclosing(events):
         try:
-            event: Event | None = first
-            while event is not None:
-                completion_tokens += event.tokens
-                choice = shape.chunk_choice(event.index, event.text, event.logprobs, event.finish,
-                                            event.index not in started)
-                started.add(event.index)
-                yield _data({**head, "choices": [choice], **({"usage": None} if call.include_usage else {})})
-                event = await anext(events, None)
+            ready: list[Event] | None = first
+            while ready is not None:
+                completion_tokens += sum(event.tokens for event in ready)
+                chunks = []
+                for event in ready:
+                    choice = shape.chunk_choice(event.index, event.text, event.logprobs, event.finish,
+                                                event.index not in started)
+                    started.add(event.index)
+                    chunks.append(_data({**head, "choices": [choice], **usage}))
+                yield "".join(chunks)
+                ready = await anext(events, None)
         except ServeError as exc:
             yield _data(error_object(exc))
             return
@@ -211,9 +227,10 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def _events(server: Server, source: ModelSource, call: CompletionCall, deadline: float,
-                  is_disconnected: IsDisconnected) -> AsyncIterator[Event]:
-    """The events of every choice as they come (each choice runs as its own task); the first
-    failure of any choice is raised and stops the others."""
+                  is_disconnected: IsDisconnected) -> AsyncIterator[list[Event]]:
+    """The events of every choice as they come (each choice runs as its own task), in lists
+    of those that are ready together; the first failure of any choice is raised (after the
+    events before it) and stops the others."""
     async with server.models.use(source) as engine:
         if not engine.supports_generate:
             raise bad(f"model '{source.name}' gives next-token distributions only and cannot complete text; "
@@ -225,11 +242,17 @@ async def _events(server: Server, source: ModelSource, call: CompletionCall, dea
         try:
             going = len(tasks)
             while going:
-                event = await queue.get()
-                if isinstance(event, BaseException):
-                    raise event
-                going -= event.finish is not None
-                yield event
+                ready = [await queue.get()]
+                while not queue.empty():
+                    ready.append(queue.get_nowait())
+                failure = next((item for item in ready if isinstance(item, BaseException)), None)
+                if failure is not None:
+                    ready = ready[: ready.index(failure)]
+                if ready:
+                    going -= sum(event.finish is not None for event in ready)
+                    yield ready
+                if failure is not None:
+                    raise failure
         finally:
             for task in tasks:
                 task.cancel()
@@ -246,7 +269,8 @@ async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokeniz
     echo = call.texts[index // call.n] if call.echo else ""
     offset = len(echo)
     try:
-        async with aclosing(_tokens(lane, engine, prompt, sampling, deadline, is_disconnected)) as steps:
+        by_step = call.stream or bool(call.stop)
+        async with aclosing(_tokens(lane, engine, prompt, sampling, deadline, is_disconnected, by_step)) as steps:
             async for tokens in steps:
                 context = prompt + text.tokens
                 delta = text.add(tokens)
@@ -266,15 +290,21 @@ async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokeniz
 
 
 async def _tokens(lane: Lane, engine: Engine, prompt: list[int], sampling: Sampling, deadline: float,
-                  is_disconnected: IsDisconnected) -> AsyncIterator[list[int]]:
-    """A choice's new tokens: at every step from a continuous batcher, all at once from a
-    dynamic one (its batch runs in one generate call)."""
+                  is_disconnected: IsDisconnected, by_step: bool) -> AsyncIterator[list[int]]:
+    """A choice's new tokens: at every step from a continuous batcher, and from a dynamic one
+    when ``by_step`` (each step then costs the event loop a wake-up, worth it only when the
+    tokens are read as they come); else all at once when the dynamic batch ends."""
     if lane.engine is not None:
-        async with aclosing(lane.batcher.stream((prompt, sampling), deadline, is_disconnected)) as steps:
-            async for tokens in steps:
-                yield tokens
+        steps = lane.batcher.stream((prompt, sampling), deadline, is_disconnected)
+    elif by_step:
+        steps = streamed(lambda feed: lane.batcher.submit(DynamicGenerateItem(engine, prompt, sampling, feed),
+                                                          deadline, is_disconnected))
     else:
-        yield await lane.batcher.submit((engine, prompt, sampling), deadline, is_disconnected)
+        yield await lane.batcher.submit(DynamicGenerateItem(engine, prompt, sampling), deadline, is_disconnected)
+        return
+    async with aclosing(steps):
+        async for tokens in steps:
+            yield tokens
 
 
 async def _logprobs(server: Server, engine: Engine, tokenizer: Tokenizer, context: list[int], tokens: list[int],
