@@ -31,6 +31,7 @@ def test_config_show_prints_documented_toml_that_reloads(tmp_path, capsys):
         (["run", "--nproc", "3", "--parallel.strategy=fsdp", "--parallel.dp_replicate=2"], "do not multiply"),
         (["run", "--nproc", "1", "--data.source=text", "--data.paths=/no/such/*.txt"], "matches no file"),
         (["run", "--nproc", "1", "--model.name=/no/such/model.py:build"], "does not exist"),
+        (["run", "--nproc", "1", "--run.gpu_hour_price=-1"], "run.gpu_hour_price = -1.0 must be a price"),
     ],
 )
 def test_bad_input_exits_2_with_message(argv, fragment, capsys, tmp_path):

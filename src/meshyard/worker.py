@@ -35,7 +35,9 @@ from meshyard.runtime.devices import require_deterministic_cublas
 from meshyard.runtime.distributed import Runtime, init_distributed, rank0_decides, shutdown_distributed
 from meshyard.runtime.job import Job
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
+from meshyard.metrics.cost import cost_summary
 from meshyard.train.build import BuiltRun, build_trainer
+from meshyard.train.trainer import Trainer
 
 
 def _write_run_record(run_dir: Path, cfg: Config, facts: dict[str, Any]) -> None:
@@ -149,10 +151,21 @@ def _train(cfg: Config, runtime: Runtime, job: Job, where: _Whereabouts, resume:
     if not runtime.is_main:
         return None
     summary = {**summary, "run_dir": str(run_dir), "world_size": runtime.world_size,
-               "strategy": cfg.parallel.strategy, "parameters": facts.parameters}
+               "strategy": cfg.parallel.strategy, "parameters": facts.parameters,
+               **_cost_of(trainer, runtime.world_size, summary["mean_step_time_s"], run_dir)}
     RunDir(run_dir).write_summary(summary)
     observers.display.summary(summary)
     return summary
+
+
+def _cost_of(trainer: Trainer, world_size: int, step_time_s: float, run_dir: Path) -> dict[str, Any]:
+    """What the run's recorded steps cost, and what spot capacity would have with the
+    restarts it recorded (nothing without a price)."""
+    price = trainer.cost.price
+    if price is None or not trainer.progress.step:
+        return {}
+    return cost_summary(price, world_size, trainer.progress.cost_so_far, step_time_s,
+                        RunDir(run_dir).read_restarts())
 
 
 def _open_run_dir(cfg: Config, job: Job, given: Path | None) -> Path:
@@ -214,6 +227,10 @@ def _record_restart(run_dir: Path, resumed_from: str | None, resumed_step: int) 
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": restart_count(),
              "resumed_from": resumed_from, "resumed_step": resumed_step,
              "last_recorded_step": last_step, "steps_lost": max(0, last_step - resumed_step)}
+    if records:
+        # The time to resume: from the last step recorded, through the failure or the
+        # preemption, the restart and start-up, to the checkpoint loaded again.
+        entry["resume_s"] = max(0.0, time.time() - records[-1]["time"])
     if os.environ.get("SLURM_RESTART_COUNT"):  # a requeued Slurm job: which requeue this is
         entry["requeue"] = int(os.environ["SLURM_RESTART_COUNT"])
     RunDir(run_dir).append_restart(entry)

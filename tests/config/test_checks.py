@@ -31,6 +31,8 @@ def test_defaults_have_no_problems():
     ("--fault.signals=['SIGKILL']", "fault.signals: 'SIGKILL' is not one of SIGTERM"),
     ("--metrics.prometheus_port=70000", "metrics.prometheus_port = 70000 is not a port number"),
     ("--run.nproc=-1", "run.nproc = -1 must not be negative"),
+    ("--run.gpu_hour_price=-2.5", "run.gpu_hour_price = -2.5 must be a price of at least 0 US dollars"),
+    ("--run.spot_hour_price=-0.5", "run.spot_hour_price = -0.5 must be a price of at least 0 US dollars"),
 ])
 def test_each_section_is_checked(override, fragment):
     [problem] = field_problems(load_config(None, [override]))

@@ -9,6 +9,7 @@ message lists every problem of a run. Nothing here raises: each check returns me
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from typing import Any, Callable, Iterable
 
@@ -287,7 +288,14 @@ def _run_problems(r: RunConfig) -> list[str]:
         (r.nproc >= 0, f"run.nproc = {r.nproc} must not be negative (0 starts one per visible GPU)"),
         (0 <= r.threads_per_rank < 2 ** 31,  # torch.set_num_threads takes a C int
          f"run.threads_per_rank = {r.threads_per_rank} must be in [0, 2147483647]"),
+        *(_price_check(f"run.{name}", getattr(r, name)) for name in ("gpu_hour_price", "spot_hour_price")),
     ]) + _node_problems(r)
+
+
+def _price_check(key: str, price: float) -> tuple[bool, str]:
+    return (math.isfinite(price) and price >= 0,
+            f"{key} = {price} must be a price of at least 0 US dollars per device-hour (e.g. 2.5); "
+            "0 takes the price table's price for the GPU model")
 
 
 CACHE_SCHEMES = ("redis://", "rediss://", "unix://")

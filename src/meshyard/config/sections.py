@@ -356,6 +356,17 @@ class RunConfig:
         "gloo, since NCCL refuses two ranks on one GPU: slow, for trying a layout only.",
     )
     threads_per_rank: int = option(1, "CPU threads per rank (torch.set_num_threads); 0 leaves torch's default.")
+    gpu_hour_price: float = option(
+        0.0, "US dollars per device-hour (a GPU, or a CPU rank) to cost the run at: each step costs price / 3600 x "
+        "world size x step time, shown as cost so far and projected to the last step on the progress line, in "
+        f"{RunDir.METRICS}, {RunDir.SUMMARY}, Prometheus and the report. 0 takes the GPU model's on-demand price "
+        "from the price table (meshyard.metrics.cost.PRICES, examples to edit); no price, no cost shown.",
+    )
+    spot_hour_price: float = option(
+        0.0, "US dollars per preemptible (spot) device-hour: the summary and the report say what spot capacity "
+        f"would have cost, with the restart overhead measured in {RunDir.RESTARTS}. 0 takes the price table's "
+        "spot price of the GPU model; none, no spot estimate.",
+    )
 
 
 @dataclass

@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # no display needed; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
 from meshyard.doctor.diagnose import Diagnosis, diagnose, load_run  # noqa: E402
+from meshyard.metrics.cost import Price, cost_summary, fmt_usd  # noqa: E402
 from meshyard.metrics.schema import OTHER, PHASES, phase_key  # noqa: E402
 from meshyard.run_dir import RunDir  # noqa: E402
 from meshyard.runtime.hosts import host_of, rank_on_host  # noqa: E402
@@ -98,7 +99,31 @@ def plot_memory(records: list[dict[str, Any]]) -> str:
     return _png(fig)
 
 
-def render(diagnosis: Diagnosis, facts: dict[str, Any], records: list[dict[str, Any]]) -> str:
+def cost_section(facts: dict[str, Any], records: list[dict[str, Any]], restarts: list[dict[str, Any]]) -> str:
+    """The run's cost, its projection and what spot capacity would have cost, from the
+    price run.json recorded (``metrics.cost``, as summary.json has it); empty without one."""
+    price = Price.from_facts(facts)
+    costed = [r for r in records if "cost_so_far_usd" in r]
+    if price is None or not costed:
+        return ""
+    steady = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
+    summary = cost_summary(price, facts.get("world_size", 1), costed[-1]["cost_so_far_usd"],
+                           sum(steady) / len(steady), restarts)
+    rows = [("price", f"{fmt_usd(price.per_hour)} per device-hour ({price.source})"),
+            ("device-hours", f"{summary['device_hours']:.4g}"),
+            ("cost so far", fmt_usd(summary["cost_usd"])),
+            ("projected to the last step", fmt_usd(costed[-1]["cost_projected_usd"])),
+            ("restart overhead", f"{summary['restart_overhead_s']:.1f} s, {fmt_usd(summary['restart_cost_usd'])} "
+                                 f"({len(restarts)} restart(s))")]
+    if "spot_cost_usd" in summary:
+        rows.append(("on spot capacity", f"{fmt_usd(summary['spot_cost_usd'])} at "
+                                         f"{fmt_usd(price.spot_per_hour)} per device-hour, restart overhead included"))
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<h2>Cost</h2><table>{cells}</table>"
+
+
+def render(diagnosis: Diagnosis, facts: dict[str, Any], records: list[dict[str, Any]],
+           restarts: Sequence[dict[str, Any]] = ()) -> str:
     first = diagnosis.findings[0]
     rows = "".join(f"<tr><th>{html.escape(k.replace('_', ' '))}</th><td>{html.escape(str(v))}</td></tr>"
                    for k, v in facts.items() if not isinstance(v, (dict, list)))
@@ -116,6 +141,7 @@ def render(diagnosis: Diagnosis, facts: dict[str, Any], records: list[dict[str, 
             f"<h1>meshyard run {html.escape(diagnosis.run_dir.name)}</h1>"
             f"<p>Verdict: <span class='verdict {html.escape(first.verdict)}'>{html.escape(first.verdict)}</span> "
             f"after {len(records)} steps.</p><h2>Diagnosis</h2>{findings}"
+            f"{cost_section(facts, records, list(restarts))}"
             f"<h2>Plots</h2><div class='plots'>{plots}</div><h2>Run</h2><table>{rows}</table></body></html>")
 
 
@@ -123,5 +149,5 @@ def write_report(run_dir: str | Path, out: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     _, facts, records = load_run(run_dir)
     out = out or RunDir(run_dir).report
-    out.write_text(render(diagnose(run_dir), facts, records))
+    out.write_text(render(diagnose(run_dir), facts, records, RunDir(run_dir).read_restarts()))
     return out

@@ -9,6 +9,7 @@ from rich.console import Console as RichConsole
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from meshyard.metrics.cost import fmt_usd
 from meshyard.metrics.schema import PHASES, phase_key
 
 # How the breakdown names the phases on one line.
@@ -32,25 +33,27 @@ class ProgressDisplay:
             return
         self._progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[split]}"),
+            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[split]}"
+                       "{task.fields[cost]}"),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
             console=self.console, transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total, completed=first_step, loss=float("nan"),
-                                             tps=0.0, split="")
+                                             tps=0.0, split="", cost="")
 
     def update(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=record["loss"], tps=record["tokens_per_s"],
-                                  split=breakdown(record))
+                                  split=breakdown(record), cost=_spaced(cost_text(record)))
         elif step % self.log_every == 0 or step == self.total or step == 1:
             extra = f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
             split = f"  ({breakdown(record)})" if "forward_s" in record else ""
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {record['loss']:.4f}{extra}  lr {record['lr']:.2e}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step{split}",
+                f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step{split}"
+                f"{_spaced(cost_text(record))}",
                 highlight=False, soft_wrap=True,
             )
 
@@ -78,6 +81,17 @@ def breakdown(record: dict[str, Any]) -> str:
     total = record["step_time_s"]
     text = " ".join(f"{_SHORT.get(phase, phase)} {100 * record[phase_key(phase)] / total:.0f}%" for phase in PHASES)
     return text + (f" mfu {100 * record['mfu']:.0f}%" if "mfu" in record else "")
+
+
+def cost_text(record: dict[str, Any]) -> str:
+    """'cost $1.23, projected $4.56' of one step (empty without a price)."""
+    if "cost_so_far_usd" not in record:
+        return ""
+    return f"cost {fmt_usd(record['cost_so_far_usd'])}, projected {fmt_usd(record['cost_projected_usd'])}"
+
+
+def _spaced(text: str) -> str:
+    return f"  {text}" if text else ""
 
 
 def _format(value: Any) -> str:

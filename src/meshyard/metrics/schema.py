@@ -41,7 +41,7 @@ COUNT: tuple[type, ...] = (int,)
 
 # The units fields may declare ("1": a plain number; "": a structure whose parts say theirs).
 UNITS = frozenset({"1", "", "nats", "step", "s", "unix s", "tokens", "tokens/s", "samples/s", "bytes",
-                   "fraction", "TFLOP/s", "%", "W", "degC", "rank"})
+                   "fraction", "TFLOP/s", "%", "W", "degC", "rank", "USD"})
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,14 @@ FIELDS: dict[str, Field] = {
                           "train.trainer"),
     "checkpoint_commit_s": Field(NUMBER, False, "s", "that save's commit on rank 0", "train.trainer"),
     "checkpoint_error": Field((str,), False, "", "why that save failed (only when it did)", "train.trainer"),
+    # cost (with a price: run.gpu_hour_price or the price table's for the GPU model)
+    "cost_per_step_usd": Field(NUMBER, False, "USD", "what the step cost: price per device-hour / 3600 x world "
+                               "size x step_time_s (with a price)", "metrics.cost", exported=True),
+    "cost_so_far_usd": Field(NUMBER, False, "USD", "cost of the recorded steps since the run began, this one "
+                             "included (with a price)", "metrics.cost", exported=True),
+    "cost_projected_usd": Field(NUMBER, False, "USD", "cost so far plus the steps left to train.steps at the mean "
+                                "cost of the last few steps (metrics.cost.RECENT_STEPS; with a price)", "metrics.cost",
+                                exported=True),
 }
 
 REQUIRED_KEYS: frozenset[str] = frozenset(key for key, field in FIELDS.items() if field.required)

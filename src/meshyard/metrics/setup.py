@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from meshyard.config.sections import MetricsConfig
+from meshyard.metrics.cost import CostMeter, NullCostMeter, resolve_price
 from meshyard.metrics.exporters import PrometheusExporter, TensorBoardExporter
 from meshyard.metrics.memory import MemoryProbe
 from meshyard.metrics.meter import StepMeter
 from meshyard.metrics.ranks import RankWindow
-from meshyard.metrics.throughput import device_peak, training_flops_per_token
+from meshyard.metrics.throughput import device_model, device_peak, training_flops_per_token
 from meshyard.metrics.timing import CommTracker, NullStepTimer, StepTimer
 
 
@@ -45,3 +46,11 @@ def build_exporters(cfg: MetricsConfig, run_dir: Path) -> list[Any]:
     if cfg.tensorboard:
         exporters.append(TensorBoardExporter(run_dir))
     return exporters
+
+
+def build_cost(gpu_hour_price: float, spot_hour_price: float, device: torch.device, world_size: int,
+               total_steps: int) -> CostMeter | NullCostMeter:
+    """The cost of each step at ``gpu_hour_price`` (run.gpu_hour_price), else at the price
+    table's for this GPU model; a meter without figures where neither gives a price."""
+    price = resolve_price(gpu_hour_price, spot_hour_price, device_model(device))
+    return CostMeter(price, world_size, total_steps) if price else NullCostMeter()

@@ -95,6 +95,14 @@ def catalog_peak(device_name: str, dtype: torch.dtype) -> float | None:
     return spec.peak_flops.get(_DTYPE_KEYS.get(dtype, "fp32")) if spec else None
 
 
+def device_model(device: torch.device) -> str | None:
+    """The catalog name of this GPU's model ('h100'), or None (a CPU, a GPU not in the catalog)."""
+    if device.type != "cuda":
+        return None
+    spec = gpu_for_device_name(torch.cuda.get_device_name(device))
+    return spec.name if spec else None
+
+
 def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """(peak FLOP/s per rank, where the figure comes from)."""
     if device.type == "cuda":

@@ -17,6 +17,7 @@ from meshyard.plan.report import (
 )
 from meshyard.plan.scale import plot_scale, simulate_scale
 from meshyard.plan.search import plan
+from meshyard.run_dir import RunDir
 
 
 DESCRIPTION = """\
@@ -35,6 +36,7 @@ examples:
       --gpus 64 --gpu h100 --gpu-memory 80GB --gpus-per-node 8 --interconnect ib-ndr-8x
   meshyard plan --config run.toml --gpus 16 --gpu a100 --interconnect eth-100g
   meshyard plan --model gpt2-124m --scale 8,64,512,4096 --strategy fsdp --out scale.png
+  meshyard plan --model gpt2-124m --gpus 8 --tokens 10B --gpu-hour-price 2.5 --restarts runs/spot-1
   meshyard plan --list-hardware
 
 Sizes: GB = 10^9 bytes, GiB = 2^30 bytes (a bare number is GB). The cost model and its
@@ -76,6 +78,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--headroom", type=float, default=0.1,
                     help="fraction of GPU memory kept free for context, NCCL and fragmentation (0.1)")
     hw.add_argument("--list-hardware", action="store_true", help="print the GPU and interconnect catalog and exit")
+    _add_cost_arguments(p)
     search = p.add_argument_group("layouts to consider (comma-separated lists; default: all)")
     search.add_argument("--strategy", help=f"data parallelism, as a config names it ({', '.join(CONFIG_STRATEGIES)}; "
                         "fsdp is ZeRO-3) or as the planner does (fsdp2 = ZeRO-2, fsdp3 = ZeRO-3, hsdp)")
@@ -91,6 +94,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("--pp-schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b")
     search.add_argument("--pp-virtual", type=int, default=1, help="model chunks per rank (interleaved)")
     search.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
+    _add_output_arguments(p)
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="feasible layouts to list (10)")
     out.add_argument("--show-rejected", type=int, default=10, help="rejection reasons to list (10)")
@@ -101,6 +108,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                      help="--scale: samples per data-parallel rank per step (weak scaling, default 8); "
                           "giving --global-batch instead keeps the global batch fixed")
     out.add_argument("--out", default="meshyard-plan-scale.png", help="--scale: PNG file for the plot")
+
+
+def _add_cost_arguments(p: argparse.ArgumentParser) -> None:
+    cost = p.add_argument_group("cost (US dollars; default prices: meshyard.metrics.cost.PRICES)")
+    cost.add_argument("--tokens", help="tokens to train, each layout priced for them: 300M, 10B, 2T (default 1B)")
+    cost.add_argument("--gpu-hour-price", type=float,
+                      help="on-demand price per GPU-hour (default: the price table's for --gpu)")
+    cost.add_argument("--spot-hour-price", type=float,
+                      help="spot (preemptible) price per GPU-hour (default: the price table's for --gpu)")
+    cost.add_argument("--restarts", metavar="RUN_DIR",
+                      help=f"a run whose {RunDir.RESTARTS} measured restarts on spot capacity: the spot cost adds "
+                           "its restart overhead (time to resume, lost steps) at the rate it restarted")
 
 
 def _bind(p: argparse.ArgumentParser) -> None:
@@ -153,7 +172,7 @@ def _run_plan(console: Console, inputs: PlanInputs, args: argparse.Namespace) ->
     console.print(f"Global batch {request.global_batch} x {request.seq_len} tokens, {request.precision.name}, "
                   f"{request.optimizer}.")
     result = plan(inputs.desc, inputs.cluster, request)
-    render_plan(console, result, args.top, args.show_rejected)
+    render_plan(console, result, args.top, args.show_rejected, inputs.pricing)
     if not result.feasible:
         console.print("[bold red]No layout fits.[/] Add GPUs, pick a GPU with more memory, lower --seq-len or "
                       "--global-batch, or allow more layouts (--ac full, --offload on, --tp/--pp).")

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshyard.config.sections import ModelConfig, ParallelConfig
 from meshyard.errors import BadInput
+from meshyard.metrics.cost import resolve_price
+from meshyard.run_dir import RunDir
 from meshyard.models.gpt import GPT_PRESETS
 from meshyard.plan.hardware import Cluster, make_cluster
 from meshyard.plan.layout import AC_MODES, CONFIG_STRATEGIES, PRECISIONS, STRATEGIES, planner_strategy
 from meshyard.plan.model import ModelDescription
+from meshyard.plan.pricing import DEFAULT_TOKENS, MeasuredRestarts, Pricing
 from meshyard.plan.search import PlanRequest
 from meshyard.plan.trace import TraceError, describe_config
-from meshyard.plan.units import parse_size
+from meshyard.plan.units import parse_count, parse_size
 from meshyard.plugins import PluginError, is_custom_reference
 
 DEFAULT_MODEL = "gpt2-124m"
@@ -38,6 +42,8 @@ class PlanInputs:
     request: PlanRequest
     scale_sizes: list[int]
     per_rank_batch: int
+    pricing: Pricing | None = None
+    """How layouts are priced; None without a price (--gpu-hour-price or the price table's)."""
 
 
 @dataclass
@@ -220,6 +226,27 @@ def _request(args: argparse.Namespace, defaults: _Defaults, seq_len: int, strate
     )
 
 
+def pricing_from_args(args: argparse.Namespace, cluster: Cluster) -> Pricing | None:
+    """The price of the cluster's GPU (--gpu-hour-price, else the price table's), the tokens
+    to cost (--tokens) and the restarts measured in --restarts RUN_DIR."""
+    for option, value in (("--gpu-hour-price", args.gpu_hour_price), ("--spot-hour-price", args.spot_hour_price)):
+        _need(value is None or value >= 0, f"{option} {value} must be a price of at least 0 US dollars per "
+                                           "GPU-hour, e.g. 2.5 (0 takes the price table's)")
+    try:
+        tokens = parse_count(args.tokens) if args.tokens else DEFAULT_TOKENS
+    except ValueError as exc:
+        raise PlanInputError(f"--tokens: {exc}") from None
+    price = resolve_price(args.gpu_hour_price or 0.0, args.spot_hour_price or 0.0, cluster.gpu.name,
+                          option="--gpu-hour-price")
+    measured = None
+    if args.restarts:
+        run_dir = Path(args.restarts)
+        _need(run_dir.is_dir(), f"--restarts {run_dir} is not a run directory; give the folder of a run whose "
+                                f"{RunDir.RESTARTS} measured its restarts")
+        measured = MeasuredRestarts.read(run_dir)
+    return Pricing(price, tokens, measured) if price else None
+
+
 def resolve_inputs(args: argparse.Namespace) -> PlanInputs:
     """Validate every option and build what the planner needs."""
     defaults = _config_defaults(args.config)
@@ -237,4 +264,5 @@ def resolve_inputs(args: argparse.Namespace) -> PlanInputs:
     if scale_sizes:
         strategies, tp, pp, per_rank = _scale_layout(args, strategies, tp, pp)
     request = _request(args, defaults, seq_len, strategies, tp, pp)
-    return PlanInputs(desc=desc, cluster=cluster, request=request, scale_sizes=scale_sizes, per_rank_batch=per_rank)
+    return PlanInputs(desc=desc, cluster=cluster, request=request, scale_sizes=scale_sizes, per_rank_batch=per_rank,
+                      pricing=pricing_from_args(args, cluster))

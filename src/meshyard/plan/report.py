@@ -6,13 +6,15 @@ from rich.console import Console
 from rich.table import Table
 
 from meshyard.hardware import GPUS, LINKS
+from meshyard.metrics.cost import fmt_usd
 from meshyard.plan.cost import StepEstimate
 from meshyard.plan.hardware import Cluster
 from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.memory import MemoryEstimate
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.scale import ScaleResult
-from meshyard.plan.search import PlanResult
+from meshyard.plan.pricing import Pricing
+from meshyard.plan.search import Candidate, PlanResult
 from meshyard.plan.units import fmt_bytes, fmt_count, fmt_seconds
 
 
@@ -43,24 +45,64 @@ def _layout_cells(layout: PlannedLayout) -> list[str]:
     return [layout.describe(), accum, saver]
 
 
-def render_plan(console: Console, result: PlanResult, top: int, show_rejected: int) -> None:
-    """The ranked feasible layouts, then the families that do not fit and why."""
+def render_plan(console: Console, result: PlanResult, top: int, show_rejected: int,
+                pricing: Pricing | None = None) -> None:
+    """The ranked feasible layouts (with ``pricing``, what each costs to train its tokens),
+    then the families that do not fit and why."""
     table = Table(title=f"Feasible layouts, fastest first ({len(result.feasible)} of "
                         f"{len(result.feasible) + len(result.rejected)} families; usable memory "
                         f"{fmt_bytes(result.usable_bytes)} per device)")
     for name, justify in (("#", "right"), ("layout", "left"), ("micro x accum", "right"), ("recompute", "left"),
                           ("memory/device", "right"), ("step", "right"), ("tokens/s", "right"), ("MFU", "right"),
-                          ("exposed comm", "right")):
+                          ("exposed comm", "right"), *_cost_columns(pricing)):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for rank, cand in enumerate(result.feasible[:top], start=1):
         step = cand.step
         share = step.exposed_comm / step.step_time if step.step_time else 0.0
         table.add_row(str(rank), *_layout_cells(cand.layout), fmt_bytes(cand.memory.peak_bytes),
                       fmt_seconds(step.step_time), fmt_count(step.tokens_per_second), f"{step.mfu:.1%}",
-                      f"{share:.0%}")
+                      f"{share:.0%}", *_cost_cells(pricing, cand))
     console.print(table)
+    if pricing is not None:
+        render_pricing(console, pricing)
     if result.rejected and show_rejected:
         render_rejections(console, result, show_rejected)
+
+
+def _cost_columns(pricing: Pricing | None) -> tuple[tuple[str, str], ...]:
+    if pricing is None:
+        return ()
+    spot = (("spot", "right"),) if pricing.price.spot_per_hour > 0 else ()
+    return ("hours", "right"), ("cost", "right"), *spot
+
+
+def _cost_cells(pricing: Pricing | None, cand: Candidate) -> list[str]:
+    if pricing is None:
+        return []
+    cost = pricing.cost_of(cand.step.tokens_per_second, cand.step.step_time, cand.layout.world_size)
+    spot = [fmt_usd(cost.spot_usd)] if cost.spot_usd is not None else []
+    return [f"{cost.train_s / 3600:,.3g}", fmt_usd(cost.cost_usd), *spot]
+
+
+def render_pricing(console: Console, pricing: Pricing) -> None:
+    """Which prices the costs are at, and where the spot column's restart overhead comes from."""
+    price = pricing.price
+    text = (f"Hours and costs to train {fmt_count(pricing.tokens)} tokens, at {fmt_usd(price.per_hour)} per "
+            f"GPU-hour ({price.source})")
+    if price.spot_per_hour > 0:
+        measured = pricing.measured
+        text += f"; spot at {fmt_usd(price.spot_per_hour)} per GPU-hour"
+        if measured is None:
+            text += " without restarts (--restarts RUN_DIR adds a measured run's restart overhead)"
+        elif not measured.restarts:
+            text += f", no restarts recorded in {measured.run_dir}"
+        else:
+            resumed = sum(entry.get("resume_s") or 0.0 for entry in measured.restarts)
+            lost = sum(entry.get("steps_lost") or 0 for entry in measured.restarts)
+            text += (f", with the restart overhead measured in {measured.run_dir}: {len(measured.restarts)} "
+                     f"restart(s) in {fmt_seconds(measured.trained_s)} of steps, {fmt_seconds(resumed)} to resume "
+                     f"and {lost} step(s) lost")
+    console.print(text + ".", highlight=False, soft_wrap=True)
 
 
 def render_settings(console: Console, layout: PlannedLayout, nodes: int) -> None:

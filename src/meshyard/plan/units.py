@@ -30,6 +30,20 @@ def parse_size(text: str, default_unit: str = "G") -> float:
     return value
 
 
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)\s*([kmbt]?)\s*$", re.IGNORECASE)
+_COUNT_SCALES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """A count such as ``300M``, ``10B``, ``2T`` or ``1e9`` (as ``fmt_count`` writes them).
+    Raises ValueError with the fix for anything else, zero included."""
+    match = _COUNT.match(str(text))
+    value = float(match.group(1)) * _COUNT_SCALES[match.group(2).lower()] if match else 0.0
+    if value <= 0:
+        raise ValueError(f"'{text}' is not a count above zero; write it like 300M, 10B, 2T or 1e9")
+    return value
+
+
 def fmt_bytes(value: float) -> str:
     """Decimal bytes with three significant figures: ``1.23 GB``, ``512 MB``."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -43,7 +43,7 @@ from meshyard.fault.preemption import NullWatcher, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
-from meshyard.metrics.setup import build_exporters, build_meter, build_timer
+from meshyard.metrics.setup import build_cost, build_exporters, build_meter, build_timer
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.compile import Compilation, resolve_compile
@@ -167,6 +167,8 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
                                                                       observers)
     meter, throughput = build_meter(cfg.metrics, observers.timer, parallelized.model, cfg.data.seq_len,
                                     runtime.device, dtype, runtime.world_size, observers.hosts)
+    cost = build_cost(cfg.run.gpu_hour_price, cfg.run.spot_hour_price, runtime.device, runtime.world_size,
+                      cfg.train.steps)
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
     compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
     runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
@@ -181,7 +183,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
                                             for p in group["params"]]),
         data=data.description, train_samples=data.train_samples, memory_capacity_bytes=meter.memory.capacity,
         tokenizer_file=str(data.tokenizer_file or ""),
-        throughput=Throughput(**throughput) if throughput else None,
+        throughput=Throughput(**throughput) if throughput else None, price=cost.price,
     )
     progress = TrainProgress()
     guard = SpikeGuard(cfg.guard) if cfg.guard.enabled else None
@@ -190,7 +192,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     guard_log = JsonlWriter(RunDir(run_dir).guard) if guard is not None and runtime.is_main else NullWriter()
     services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
                               build_exporters(cfg.metrics, run_dir) if runtime.is_main else []),
-                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog, guard_log)
+                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog, guard_log, cost)
     trainer = Trainer(parallelized, runner,
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
                       progress, on_nonfinite=cfg.fault.on_nonfinite, guard=guard,

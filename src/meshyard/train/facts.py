@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from meshyard.metrics.cost import Price
+
 
 @dataclass(frozen=True)
 class Resumed:
@@ -65,6 +67,8 @@ class RunFacts:
     tokenizer_file: str = ""  # the subword tokenizer the text was tokenized with, copied into the run directory
     throughput: Throughput | None = None
     resumed_from: Resumed | None = None
+    price: Price | None = None
+    """What a device-hour costs (``metrics.cost``); None: the run shows no cost."""
 
     @property
     def dp_size(self) -> int:
@@ -73,12 +77,15 @@ class RunFacts:
     def record(self) -> dict[str, Any]:
         """The facts as run.json holds them: flat, the throughput figures only when measured,
         ``resumed_from`` only after a resume."""
-        record = {key: value for key, value in asdict(self).items() if key not in ("throughput", "resumed_from")}
+        record = {key: value for key, value in asdict(self).items()
+                  if key not in ("throughput", "resumed_from", "price")}
         record["hosts"] = list(self.hosts)
         if self.throughput is not None:
             record.update(asdict(self.throughput))
         if self.resumed_from is not None:
             record["resumed_from"] = asdict(self.resumed_from)
+        if self.price is not None:
+            record.update(self.price.facts())
         return record
 
     def manifest(self) -> dict[str, Any]:

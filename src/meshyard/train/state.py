@@ -25,13 +25,17 @@ class TrainProgress:
     tokens_seen: int = 0
     best_eval_loss: float | None = None
     losses: list[float] = field(default_factory=list)
+    cost_so_far: float = 0.0
+    """US dollars the recorded steps cost (with a price), so a resumed run's total goes on."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_eval_loss": self.best_eval_loss}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_eval_loss": self.best_eval_loss,
+                "cost_so_far": self.cost_so_far}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.best_eval_loss = state.get("best_eval_loss")
+        self.cost_so_far = float(state.get("cost_so_far", 0.0))  # checkpoints written before costs had none
 
 
 class SchedulerState:

@@ -48,6 +48,7 @@ from meshyard.data.loader import DataBundle
 from meshyard.fault.guard import KEPT, SpikeGuard, Verdict
 from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
+from meshyard.metrics.cost import CostMeter, NullCostMeter
 from meshyard.metrics.meter import StepMeter, StepReadings
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks
 from meshyard.parallel.parallelize import Parallelized
@@ -164,6 +165,7 @@ class Services:
     watchdog: HangWatchdog | NullWatchdog = field(default_factory=NullWatchdog)
     guard_log: JsonlWriter | NullWriter = field(default_factory=NullWriter)
     """guard.jsonl (rank 0): the spike and NaN guard's decisions."""
+    cost: CostMeter | NullCostMeter = field(default_factory=NullCostMeter)
 
 
 class Trainer:
@@ -188,7 +190,7 @@ class Trainer:
         self.tokens_per_step = feed.batch.global_batch * feed.seq_len
         self.cfg = cfg
         self.device = runner.device
-        self.sinks, self.meter = services.sinks, services.meter
+        self.sinks, self.meter, self.cost = services.sinks, services.meter, services.cost
         self.checkpoints, self.preemption, self.watchdog = services.checkpointer, services.preemption, \
             services.watchdog
         self.timer = self.meter.timer
@@ -375,6 +377,7 @@ class Trainer:
             issued.readings.phases.add(phase, seconds)
         record.update(self.meter.finish_step(step_time, self.tokens_per_step, issued.readings, runner_figures))
         record.update(issued.compression_figures)
+        record.update(self._cost_figures(step, step_time))
         if nonfinite or not math.isfinite(record["grad_norm"]):
             record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
         if not issued.verdict.keep:
@@ -393,6 +396,13 @@ class Trainer:
         record.update(self._checkpoint_figures())
         self.sinks.record_step(record, local_loss=read["local_loss"])
         return record, agreed
+
+    def _cost_figures(self, step: int, step_time: float) -> dict[str, float]:
+        """The step's cost, the run's so far (kept in ``progress``, which checkpoints carry)
+        and its projection; nothing without a price."""
+        figures = self.cost.step_figures(step, step_time, self.progress.cost_so_far)
+        self.progress.cost_so_far = figures.get("cost_so_far_usd", self.progress.cost_so_far)
+        return figures
 
     def _may_issue_ahead(self, step: int) -> bool:
         """Whether step ``step + 1`` may be issued before ``step`` is settled: not when
