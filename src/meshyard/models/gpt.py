@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshyard.models.gpt_decoding import GPTDecoder
 from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex
 
 
@@ -125,6 +126,8 @@ class GPT(nn.Module):
         if shape.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
+        # The decoding step on the parameters, made with each KV cache (see models.gpt_decoding).
+        self._decoder: GPTDecoder | None = None
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
@@ -150,6 +153,9 @@ class GPT(nn.Module):
                              f"{self.shape.context_length}: positions beyond it have no embedding; use at most "
                              f"{self.shape.context_length}")
         weight = self.tok_emb.weight
+        # Made with the cache, not once for all: a model whose layers changed since (int8,
+        # parallelism) decodes as it now is with its next cache.
+        self._decoder = GPTDecoder.of(self, (GPT, Block, CausalSelfAttention, FeedForward))
         return KVCache(self.shape.n_layer, batch_slots, self.shape.n_head, max_length, self.shape.head_dim,
                        dtype=dtype or weight.dtype, device=device or weight.device)
 
@@ -173,6 +179,8 @@ class GPT(nn.Module):
                         positions: SlotIndex | None) -> torch.Tensor:
         """The forward of new tokens against a KV cache (one step of incremental decoding)."""
         step = cache.begin(slots, positions, tokens.shape[1])
+        if self._decoder is not None and tokens.shape[1] == 1 and not step.fresh and not self.training:
+            return self._decoder(tokens, step)  # the same step without module calls
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(step.positions))
         for index, block in enumerate(self.blocks):
             x = block(x, (step, index))

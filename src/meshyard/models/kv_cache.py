@@ -25,7 +25,9 @@ request, updates the slots' lengths, and groups the rows by consecutive slots an
 lengths with their masks, shared by all layers: each group is read in place), the absolute
 token positions are ``step.positions`` (for position embeddings), and each attention layer ``i``
 calls ``step.attend(i, q, k, v)`` with its new queries, keys and values shaped
-(B, heads, T, head_dim): the cache stores k and v and returns the attention output.
+(B, heads, T, head_dim): the cache stores k and v and returns the attention output. A forward
+that has its keys and values side by side (B, T, 2, heads, head_dim), as one projection makes
+them, calls ``step.store(i, kv)`` and ``step.read(i, q)`` instead: one write per layer.
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ class SlotGroup:
     rows: slice | torch.Tensor
     slots: slice
     span: int
-    mask: torch.Tensor | None  # [rows, 1, T, span] True where attention is allowed; None: everything
+    # [rows, 1, T, span] added to the attention scores: 0 where attention is allowed, -inf where
+    # not (what scaled_dot_product_attention makes of a boolean mask); None: everything.
+    mask: torch.Tensor | None
+    # A decoding step's mask as wide as the cache: ``mask`` is its last ``span`` columns, in this
+    # step and every later one over the same rows (see KVCache._advance); None: no mask.
+    aligned_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -70,23 +77,32 @@ class CacheStep:
     fresh: bool  # every row starts at position 0 with the same length: plain causal attention
     groups: tuple[SlotGroup, ...]  # the rows by consecutive slots and similar lengths (unless fresh)
     order: torch.Tensor | None  # puts the groups' rows, concatenated, back in row order; None: they are
+    targets: tuple[torch.Tensor, torch.Tensor]  # ([B, T] slot, [B, T] position) each new token is stored at
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store layer ``layer``'s new keys and values and return attention over the slot's contents.
         q, k, v: (B, heads, T, head_dim) -> (B, heads, T, head_dim)."""
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        rows = self.slots[:, None].expand_as(self.positions)
-        # Advanced indices on dims 0 and 2 around a slice put (B, T) first: (B, T, heads, head_dim).
-        keys[rows, :, self.positions] = k.transpose(1, 2).to(keys.dtype)
-        values[rows, :, self.positions] = v.transpose(1, 2).to(values.dtype)
+        # (B, 2, heads, T, head_dim) -> (B, T, 2, heads, head_dim), the layout ``store`` takes.
+        self.store(layer, torch.stack((k, v), dim=1).permute(0, 3, 1, 2, 4))
         if self.fresh:
             # The same computation as the training forward.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.read(layer, q)
+
+    def store(self, layer: int, kv: torch.Tensor) -> None:
+        """Write layer ``layer``'s new keys and values, kv (B, T, 2, heads, head_dim), into the
+        rows' slots at their positions: one indexed write of both."""
+        self.cache.by_position[layer].index_put_(self.targets, kv.to(self.cache.dtype))
+
+    def read(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q (B, heads, T, head_dim) over what layer ``layer`` holds in the rows' slots
+        up to each query's position (its own keys and values stored first) -> (B, heads, T, head_dim)."""
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
         # Each group reads its slots in place, and only as far as its longest row: rows that
         # joined late do not pay for the span of the oldest one.
         outputs = [F.scaled_dot_product_attention(q[group.rows], keys[group.slots, :, : group.span].to(q.dtype),
                                                   values[group.slots, :, : group.span].to(q.dtype),
-                                                  attn_mask=group.mask)
+                                                  attn_mask=None if group.mask is None else group.mask.to(q.dtype))
                    for group in self.groups]
         output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return output if self.order is None else output[self.order]
@@ -94,10 +110,13 @@ class CacheStep:
 
 @dataclass(frozen=True)
 class _DecodePlan:
-    """The last decoding step: its rows' slots and ends (on the CPU) and its step."""
+    """The last decoding step: its rows' slots (a list, and on the CPU), ends (on the CPU),
+    longest end, and its step."""
 
+    slot_list: list[int]
     slot_ids: torch.Tensor
     ends: torch.Tensor
+    longest: int
     step: CacheStep
 
 
@@ -130,7 +149,10 @@ def group_slots(slots: torch.Tensor, ends: torch.Tensor, row_elements: int) -> l
 
 class KVCache:
     """Keys and values of ``n_layer`` attention layers for ``batch_slots`` sequences of up to
-    ``max_length`` tokens, stored as (slots, heads, max_length, head_dim) per layer.
+    ``max_length`` tokens. A layer's keys and values lie in one tensor (slots, 2, heads,
+    max_length, head_dim), so that a step writes both in one operation (``by_position``);
+    ``keys[i]`` and ``values[i]`` are its two halves (slots, heads, max_length, head_dim),
+    which attention reads in place.
 
     ``lengths[s]`` is how many positions slot ``s`` holds. ``allocate`` / ``release`` hand out
     slots to a scheduler; a released slot's old contents are never read again, since a new
@@ -143,13 +165,18 @@ class KVCache:
                 f"a KV cache needs at least one layer, slot, head, position and head dimension; got "
                 f"n_layer={n_layer}, batch_slots={batch_slots}, n_head={n_head}, max_length={max_length}, "
                 f"head_dim={head_dim}: pass positive sizes")
-        shape = (batch_slots, n_head, max_length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        layers = [torch.zeros(batch_slots, 2, n_head, max_length, head_dim, dtype=dtype, device=device)
+                  for _ in range(n_layer)]
+        self.keys = [layer[:, 0] for layer in layers]
+        self.values = [layer[:, 1] for layer in layers]
+        # The same memory indexed by (slot, position) first: (slots, max_length, 2, heads, head_dim),
+        # where a token's keys and values are one entry to write.
+        self.by_position = [layer.permute(0, 3, 1, 2, 4) for layer in layers]
         self.batch_slots = batch_slots
         self.max_length = max_length
         self.n_head, self.head_dim = n_head, head_dim
-        self.device = self.keys[0].device
+        self.dtype = dtype
+        self.device = layers[0].device
         # Lengths live on the CPU: the scheduler reads them every step without a device sync.
         self.lengths = torch.zeros(batch_slots, dtype=torch.long)
         self._free = list(range(batch_slots))
@@ -159,7 +186,7 @@ class KVCache:
     @property
     def bytes(self) -> int:
         """Memory held by the stored keys and values."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in self.by_position)
 
     @property
     def free_slots(self) -> int:
@@ -194,22 +221,39 @@ class KVCache:
     def begin(self, slots: SlotIndex | None, positions: SlotIndex | None, n_new: int) -> CacheStep:
         """Prepare a forward of ``n_new`` tokens per row: row b goes to slot ``slots[b]`` at
         ``positions[b]`` (default: appended at the slot's length). Updates the lengths."""
-        slot_ids = torch.as_tensor(range(self.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
-        starts = self.lengths[slot_ids] if positions is None else torch.as_tensor(positions, dtype=torch.long).cpu()
         plan = self._plan
-        if (n_new == 1 and plan is not None and not plan.step.fresh and plan.slot_ids.shape == slot_ids.shape
-                and torch.equal(plan.slot_ids, slot_ids) and torch.equal(plan.ends, starts)
-                and int(starts.max()) < self.max_length):
+        if n_new == 1 and plan is not None and self._continues(plan, slots, positions):
+            # Checked by the step that made the plan; each row is one position further on.
+            slot_list, slot_ids, ends, longest = plan.slot_list, plan.slot_ids, plan.ends + 1, plan.longest + 1
             step = self._advance(plan.step)
         else:
+            slot_ids = torch.as_tensor(range(self.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
+            starts = self.lengths[slot_ids] if positions is None else torch.as_tensor(positions, dtype=torch.long).cpu()
             self._check(slot_ids, starts, n_new)
             step = self._plan_step(slot_ids, starts, n_new)
-        ends = starts + n_new
-        self.lengths[slot_ids] = ends
+            slot_list, slot_ids, ends = slot_ids.tolist(), slot_ids.clone(), starts + n_new
+            longest = int(ends.max())
+        self.lengths.index_copy_(0, slot_ids, ends)
         # A decoding step is planned once: the next step over the same slots, each one token on,
         # keeps its groups and order (see _advance).
-        self._plan = _DecodePlan(slot_ids.clone(), ends, step) if n_new == 1 else None
+        self._plan = _DecodePlan(slot_list, slot_ids, ends, longest, step) if n_new == 1 and not step.fresh else None
         return step
+
+    def _continues(self, plan: _DecodePlan, slots: SlotIndex | None, positions: SlotIndex | None) -> bool:
+        """Whether a decoding step over ``slots`` from ``positions`` is the one after ``plan``:
+        the same rows, each starting where the plan's step ended, with room for one more token.
+        Compared on Python ints first: a step that continues costs no new index tensors."""
+        if plan.longest >= self.max_length:
+            return False
+        if slots is None:
+            slot_list = list(range(self.batch_slots))
+        else:
+            slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        if slot_list != plan.slot_list:
+            return False
+        if positions is None:
+            return torch.equal(self.lengths[plan.slot_ids], plan.ends)
+        return torch.equal(torch.as_tensor(positions, dtype=torch.long).cpu(), plan.ends)
 
     def _plan_step(self, slot_ids: torch.Tensor, starts: torch.Tensor, n_new: int) -> CacheStep:
         """The step of rows ``slot_ids`` writing ``n_new`` tokens from ``starts``: rows grouped by
@@ -217,8 +261,9 @@ class KVCache:
         ends = starts + n_new
         token_positions = (starts[:, None] + torch.arange(n_new)).to(self.device)
         device_slots = slot_ids.to(self.device)
+        targets = (device_slots[:, None].expand_as(token_positions), token_positions)
         if bool((starts == 0).all()):
-            return CacheStep(self, device_slots, token_positions, True, (), None)
+            return CacheStep(self, device_slots, token_positions, True, (), None, targets)
         by_slot = torch.argsort(slot_ids, stable=True)
         sorted_slots, sorted_ends = slot_ids[by_slot], ends[by_slot]
         in_order = bool((by_slot == torch.arange(len(by_slot))).all())
@@ -228,25 +273,36 @@ class KVCache:
             span = int(sorted_ends[a:b].max())
             masked = not bool((sorted_ends[a:b] == span).all()) or n_new > 1
             first = int(sorted_slots[a])
+            # A decoding step's mask serves the later steps too: it is made as wide as the cache.
+            width = self.max_length if n_new == 1 else span
+            aligned = self._mask(span, token_positions, rows, width) if masked else None
             groups.append(SlotGroup(rows, slice(first, first + b - a), span,
-                                    self._mask(span, token_positions, rows) if masked else None))
+                                    None if aligned is None else aligned[..., -span:], aligned))
         order = None if in_order else torch.argsort(by_slot).to(self.device)
-        return CacheStep(self, device_slots, token_positions, False, tuple(groups), order)
+        return CacheStep(self, device_slots, token_positions, False, tuple(groups), order, targets)
 
     def _advance(self, step: CacheStep) -> CacheStep:
         """The decoding step after ``step``, over the same slots, each row one token further on.
         Its plan is ``step``'s with every span one longer: a split's cost (``group_slots``) grows
         by the same one position per row whatever the split, so the cheapest split stays the
-        cheapest, and rows of equal length stay equal. Only positions and masks are new."""
+        cheapest, and rows of equal length stay equal. A group's mask is one column wider: each
+        row and the span grow together, so the masked positions past a row's end are as many as
+        before and the mask, aligned on its last column, is the same (a view of ``aligned_mask``).
+        Only the positions are a new tensor."""
         positions = step.positions + 1
         groups = tuple(SlotGroup(group.rows, group.slots, group.span + 1,
-                                 None if group.mask is None else self._mask(group.span + 1, positions, group.rows))
+                                 None if group.aligned_mask is None else group.aligned_mask[..., -(group.span + 1):],
+                                 group.aligned_mask)
                        for group in step.groups)
-        return CacheStep(self, step.slots, positions, False, groups, step.order)
+        return CacheStep(self, step.slots, positions, False, groups, step.order, (step.targets[0], positions))
 
-    def _mask(self, span: int, positions: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-        """[rows, 1, T, span]: True where a new token may attend (positions up to its own)."""
-        return (self._arange[:span] <= positions[rows][:, :, None])[:, None]
+    def _mask(self, span: int, positions: torch.Tensor, rows: slice | torch.Tensor, width: int) -> torch.Tensor:
+        """[rows, 1, T, width], to add to attention scores over ``span`` positions aligned on the
+        last column: 0 where a new token may attend (positions up to its own), -inf elsewhere."""
+        # Column c stands for position c - (width - span).
+        allowed = self._arange[:width] <= positions[rows][:, :, None] + (width - span)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
     def _check(self, slots: torch.Tensor, starts: torch.Tensor, n_new: int) -> None:
         """One clear error for a request the cache cannot hold."""
