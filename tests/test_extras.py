@@ -30,6 +30,7 @@ def assert_names_extra(err: str, extra: str) -> None:
 @pytest.mark.parametrize("override, module, extra", [
     ("--metrics.prometheus=true", "prometheus_client", "prometheus"),
     ("--metrics.tensorboard=true", "tensorboard", "tensorboard"),
+    ("--metrics.wandb=true", "wandb", "wandb"),
     ("--checkpoint.dir=s3://bucket/ckpt", "s3fs", "s3"),
 ])
 def test_run_asking_for_a_missing_extra_exits_2_before_starting(override, module, extra, monkeypatch, capsys,

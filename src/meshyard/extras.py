@@ -1,7 +1,7 @@
 """Optional dependencies: a feature that needs one says which pip extra installs it.
 
 meshyard's core installs only what training needs. Plots, the Prometheus endpoint,
-safetensors export, TensorBoard, object storage and Kubernetes manifests each come with an extra
+safetensors export, TensorBoard, Weights & Biases, object storage and Kubernetes manifests each come with an extra
 (``pip install 'meshyard[report]'`` and so on); asking for such a feature without its
 package is bad input, reported before anything runs.
 """
@@ -34,6 +34,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "onnxscript": ("export", "onnxscript"),
     "onnxruntime": ("export", "onnxruntime"),
     "tokenizers": ("text", "tokenizers"),
+    "wandb": ("wandb", "wandb"),
 }
 
 
@@ -71,7 +72,8 @@ def require(module: str, feature: str) -> ModuleType:
 def config_problems(metrics: MetricsConfig, checkpoint: CheckpointConfig) -> list[str]:
     """What a config asks for that this installation lacks, one message per feature."""
     wanted = [(metrics.prometheus, "prometheus_client", "metrics.prometheus = true"),
-              (metrics.tensorboard, "tensorboard", "metrics.tensorboard = true")]
+              (metrics.tensorboard, "tensorboard", "metrics.tensorboard = true"),
+              (metrics.wandb, "wandb", "metrics.wandb = true")]
     problems = [problem for on, module, feature in wanted if on and (problem := check(module, feature))]
     storage = _storage_problem(checkpoint.dir)
     return problems + [storage] if storage else problems

@@ -47,6 +47,9 @@ class RunDir:
     REPORT: ClassVar[str] = "report.html"  # meshyard doctor report
     PROMETHEUS: ClassVar[str] = "prometheus.json"  # where the Prometheus endpoint listens
     TENSORBOARD: ClassVar[str] = "tensorboard"
+    # Weights & Biases' files (metrics.wandb): the wandb library names this folder itself,
+    # under the directory it is given, so the name is its and cannot be chosen here.
+    WANDB: ClassVar[str] = "wandb"
     # The tokenizer the text was tokenized with (not for data.tokenizer = "bytes"), under the
     # name Hugging Face gives it, so a run directory is itself a tokenizer folder; it is
     # also the name looked for in a folder given as data.tokenizer.
@@ -110,6 +113,10 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / self.TENSORBOARD
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / self.WANDB
 
     @property
     def tokenizer(self) -> Path:

@@ -13,7 +13,9 @@ from meshyard.doctor.report import write_report
 
 
 def fake_run(tmp_path, data=0.05, forward=0.3, backward=0.45, comm=0.1, optimizer=0.1, mfu=0.5, memory=0.3,
-             busy=(0.1, 0.1), stragglers=(), straggler_hosts=None, hosts=None):
+             busy=(0.1, 0.1), stragglers=(), straggler_hosts=None, hosts=None, idle_from=None):
+    """40 steps of 0.1 s split by the given shares; with ``idle_from``, GPU utilisation
+    readings of 90% before that step and 10% from it on."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     capacity = 80 * 2**30
     facts = {"world_size": 2, "memory_capacity_bytes": capacity, "local_world_size": 1, "grad_accum": 1}
@@ -24,6 +26,8 @@ def fake_run(tmp_path, data=0.05, forward=0.3, backward=0.45, comm=0.1, optimize
                   "data_s": 0.1 * data, "forward_s": 0.1 * forward, "backward_s": 0.1 * backward,
                   "comm_s": 0.1 * comm, "optimizer_s": 0.1 * optimizer, "other_s": 0.0, "mfu": mfu,
                   "gpu_peak_reserved_bytes": memory * capacity}
+        if idle_from is not None:
+            record["gpu_utilization_pct"] = 10.0 if step >= idle_from else 90.0
         if step % 10 == 0:
             record["ranks"] = {"busy_s": list(busy), "step_time_s": [0.1, 0.1]}
             record["stragglers"] = list(stragglers)
@@ -89,3 +93,24 @@ def test_cli(tmp_path, capsys):
     assert main(["report", str(run_dir)]) == 0 and (run_dir / "report.html").exists()
     assert main(["doctor", str(tmp_path / "nothing")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_doctor_names_each_waste_with_its_share_of_paid_time(tmp_path, capsys):
+    """Steps 5-40 are judged (the first tenth is start-up): 24 of their 36 steps are idle."""
+    run_dir = fake_run(tmp_path / "run", data=0.3, forward=0.2, comm=0.1, idle_from=17)
+    assert main(["doctor", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "waste (share of paid time: 3.6 s of step time over 36 steady steps)" in out
+    assert re.search(r"idle GPU +67%  \(2\.4 s\)  over its threshold", out), out
+    assert re.search(r"data stall +30%  \(1\.1 s\)  over its threshold", out), out
+    assert re.search(r"exposed comm +10%  \(0\.4 s\)\n", out), out
+    assert main(["doctor", str(run_dir), "--json"]) == 0
+    waste = {w["kind"]: w for w in json.loads(capsys.readouterr().out)["waste"]}
+    assert waste["idle GPU"]["fraction"] == pytest.approx(24 / 36)
+    assert waste["data stall"]["fraction"] == pytest.approx(0.3) and waste["data stall"]["flagged"]
+    assert waste["exposed comm"]["fraction"] == pytest.approx(0.1) and not waste["exposed comm"]["flagged"]
+
+
+def test_a_cpu_run_has_no_idle_gpu_figure(tmp_path):
+    kinds = [w.kind for w in diagnose(fake_run(tmp_path / "run")).waste]
+    assert kinds == ["data stall", "exposed comm"]

@@ -9,12 +9,14 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import meshyard
 from meshyard.fault.preemption import Preempted
 from meshyard.metrics.exporters import SCALARS
+from meshyard.run_dir import RunDir
 from tests.checkpoint.helpers import JOB, worker_pid
 
 
@@ -90,3 +92,52 @@ def test_tensorboard_event_files_when_enabled(make_config):
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
     off = make_config("--parallel.strategy=none", "--train.steps=1", "--run.run_dir=" + str(run_dir.parent / "off"))
     assert not (meshyard.run(off, nproc=1).run_dir / "tensorboard").exists()
+
+
+def read_wandb_records(path: Path) -> list[Any]:
+    """The records of a W&B transaction log (``run-<id>.wandb``): after a 7-byte file
+    header, 32 KiB blocks of chunks, each a 7-byte header (checksum, little-endian length,
+    kind: 1 whole, 2 first, 3 middle, 4 last) and its part of one protobuf ``Record``."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    block, data = 32 * 1024, path.read_bytes()
+    records, parts, at = [], b"", 7
+    while at + 7 <= len(data):
+        if block - at % block < 7:  # a block's tail too short for a header is padding
+            at += block - at % block
+            continue
+        length, kind = int.from_bytes(data[at + 4:at + 6], "little"), data[at + 6]
+        if kind == 0:  # zero padding
+            break
+        parts += data[at + 7:at + 7 + length]
+        at += 7 + length
+        if kind in (1, 4):
+            record = Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+def items(entries: Any) -> dict[str, Any]:
+    """A W&B record's items by key (a flat key, or the parts of a nested one joined by '/')."""
+    return {entry.key or "/".join(entry.nested_key): json.loads(entry.value_json) for entry in entries}
+
+
+def test_wandb_offline_run_logs_the_losses_of_metrics_jsonl(make_config):
+    import meshyard.metrics.records as records
+
+    cfg = make_config("--metrics.wandb=true", "--metrics.wandb_project=tiny", "--parallel.strategy=none",
+                      "--train.steps=3")
+    run_dir = meshyard.run(cfg, nproc=1).run_dir
+    [log] = (RunDir(run_dir).wandb).glob("offline-run-*/run-*.wandb")
+    logged = read_wandb_records(log)
+    history = {record.history.step.num: items(record.history.item)
+               for record in logged if record.WhichOneof("record_type") == "history"}
+    expected = {r["step"]: r["loss"] for r in records.read_metrics(run_dir)}
+    assert {step: figures["loss"] for step, figures in history.items()} == expected
+    [run] = [record.run for record in logged if record.WhichOneof("record_type") == "run"]
+    assert run.project == "tiny"
+    config = items(run.config.update)
+    assert config["run"]["run_id"] == RunDir(run_dir).read_run_facts()["run_id"]
+    assert config["config"]["metrics"]["wandb"] is True

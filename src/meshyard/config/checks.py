@@ -280,6 +280,14 @@ def _metrics_problems(m: MetricsConfig) -> list[str]:
         (m.straggler_factor > 1.0, f"metrics.straggler_factor = {m.straggler_factor} must be above 1 (e.g. 1.25)"),
         (0 <= m.prometheus_port < 65536,
          f"metrics.prometheus_port = {m.prometheus_port} is not a port number (0-65535)"),
+        (not m.wandb or bool(m.wandb_project.strip()), "metrics.wandb_project must name a project with metrics.wandb"),
+        (m.waste_window >= 1, f"metrics.waste_window = {m.waste_window} must be at least 1"),
+        (0 < m.idle_gpu_util <= 1, f"metrics.idle_gpu_util = {m.idle_gpu_util} must be in (0, 1] (e.g. 0.5)"),
+        (1 <= m.idle_span_steps <= m.waste_window,
+         f"metrics.idle_span_steps = {m.idle_span_steps} must be between 1 and metrics.waste_window "
+         f"({m.waste_window})"),
+        (0 < m.data_stall_share < 1, f"metrics.data_stall_share = {m.data_stall_share} must be in (0, 1)"),
+        (0 < m.exposed_comm_share < 1, f"metrics.exposed_comm_share = {m.exposed_comm_share} must be in (0, 1)"),
     ])
 
 

@@ -317,6 +317,33 @@ class MetricsConfig:
     prometheus_port: int = option(
         9464, f"Port of the Prometheus endpoint; 0 lets the OS choose (see {RunDir.PROMETHEUS}).")
     tensorboard: bool = option(False, f"Write TensorBoard event files to <run dir>/{RunDir.TENSORBOARD}.")
+    wandb: bool = option(
+        False, f"Log the step records to a Weights & Biases run as well, its files under <run dir>/{RunDir.WANDB} "
+        "(needs pip install 'meshyard[wandb]'); the run's config and run facts are its W&B config.",
+    )
+    wandb_project: str = option("meshyard", "Weights & Biases project the run belongs to (with metrics.wandb).")
+    wandb_mode: Literal["offline", "online"] = option(
+        "offline", "'offline' writes the W&B run to disk only, with no network (upload it later with 'wandb sync "
+        f"<run dir>/{RunDir.WANDB}/offline-run-*'); 'online' streams it to the W&B server (needs 'wandb login').",
+    )
+    waste_window: int = option(
+        50, "Steps the live progress judges waste over (idle GPU, data stall, exposed communication); the flags "
+        "are checked every metrics.log_every steps.",
+    )
+    idle_gpu_util: float = option(
+        0.5, "GPU utilisation (0-1, NVML's reading on GPU runs) below which a step counts as idle.")
+    idle_span_steps: int = option(
+        20, "Consecutive idle steps that make an idle span; the time of such spans is reported as idle-GPU waste "
+        "(shorter dips are ignored). At most metrics.waste_window.",
+    )
+    data_stall_share: float = option(
+        0.2, "Share of step time spent waiting for data above which data loading is flagged as a stall (and the "
+        "doctor calls the run data-bound).",
+    )
+    exposed_comm_share: float = option(
+        0.25, "Share of step time spent in exposed (not overlapped) communication above which it is flagged (and "
+        "the doctor calls the run communication-bound).",
+    )
 
 
 @dataclass

@@ -9,6 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 from meshyard.doctor.diagnose import DoctorError, diagnose
+from meshyard.metrics.cost import fmt_usd
+from meshyard.metrics.waste import Waste
 from meshyard.run_dir import RunDir
 
 # What a run directory that cannot be read raises: told as 'meshyard doctor: ...' (or report).
@@ -50,7 +52,19 @@ def doctor_main(args: argparse.Namespace, overrides: list[str]) -> int:
             console.print(f"  evidence: {line}", highlight=False)
         for line in finding.advice:
             console.print(f"  change:   {line}", highlight=False)
+    if diagnosis.waste:
+        console.print(f"\n[bold]waste[/bold] (share of paid time: {diagnosis.waste[0].paid_s:.1f} s of step time "
+                      f"over {diagnosis.waste[0].steps} steady steps)")
+        for waste in diagnosis.waste:
+            console.print(f"  {waste_line(waste)}", highlight=False, markup=False)
     return 0
+
+
+def waste_line(waste: Waste) -> str:
+    """'data stall  30%  (3.0 s, $0.12)  over its threshold'."""
+    money = f", {fmt_usd(waste.wasted_usd)}" if waste.wasted_usd is not None else ""
+    over = "  over its threshold" if waste.flagged else ""
+    return f"{waste.kind:<13} {100 * waste.fraction:3.0f}%  ({waste.wasted_s:.1f} s{money}){over}"
 
 
 def report_main(args: argparse.Namespace, overrides: list[str]) -> int:

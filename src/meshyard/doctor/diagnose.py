@@ -8,6 +8,8 @@ they carry start-up costs (allocator warm-up, first collectives, compilation).
 Verdicts, checked in this order because an earlier cause distorts the later figures
 (a straggler inflates everyone's communication wait, a starved loader makes compute look
 idle): straggler, data-bound, communication-bound, memory-bound, compute-bound, healthy.
+Beside the verdicts, the waste of the steady steps (``metrics.waste``: idle GPU, data
+stalls, exposed communication) as shares of the paid time.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from meshyard.config.sections import (CommConfig, Config, DataConfig, MetricsCon
 from meshyard.errors import BadInput
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
+from meshyard.metrics.waste import Waste, find_waste
 from meshyard.run_dir import RunDir
 from meshyard.runtime.hosts import host_of, rank_on_host
 
-DATA_BOUND_SHARE = 0.20
-COMM_BOUND_SHARE = 0.25
 MEMORY_BOUND_FRACTION = 0.90
 LOW_MFU = 0.30
 
@@ -64,6 +65,7 @@ class Diagnosis:
     run_dir: Path
     findings: list[Finding]
     evidence: RunEvidence
+    waste: list[Waste] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -71,7 +73,8 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir), "verdict": self.verdict,
-                "findings": [f.__dict__ for f in self.findings], "evidence": self.evidence.__dict__}
+                "findings": [f.__dict__ for f in self.findings], "evidence": self.evidence.__dict__,
+                "waste": [waste.to_dict() for waste in self.waste]}
 
 
 def load_run(run_dir: Path) -> tuple[Config, dict[str, Any], list[dict[str, Any]]]:
@@ -86,8 +89,13 @@ def load_run(run_dir: Path) -> tuple[Config, dict[str, Any], list[dict[str, Any]
     return config, facts, records
 
 
+def steady_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records after the start-up steps."""
+    return records[max(1, len(records) // 10):] or records
+
+
 def gather_evidence(facts: dict[str, Any], records: list[dict[str, Any]]) -> RunEvidence:
-    steady = records[max(1, len(records) // 10):] or records  # skip start-up steps
+    steady = steady_records(records)
     timed = [r for r in steady if "forward_s" in r]
     if not timed:
         raise DoctorError("the run was recorded without a step-time breakdown (metrics.breakdown = false); "
@@ -131,8 +139,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     run_dir = Path(run_dir)
     config, facts, records = load_run(run_dir)
     ev = gather_evidence(facts, records)
-    findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data),
-                            _comm(ev, config.train, config.parallel, config.comm, facts),
+    findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data, config.metrics),
+                            _comm(ev, config.train, config.parallel, config.comm, config.metrics, facts),
                             _memory(ev, config.train), _compute(ev, config.train, config.precision)) if f]
     if not findings:
         findings = [Finding("healthy", [
@@ -140,7 +148,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
             f"of the {ev.step_time_s * 1000:.0f} ms step; data {_pct(ev.shares['data'])}, exposed communication "
             f"{_pct(ev.shares['comm'])}" + (f"; MFU {_pct(ev.mfu)}" if ev.mfu is not None else "")],
             ["nothing stands out; for more throughput per device raise train.micro_batch while memory allows"])]
-    return Diagnosis(run_dir, findings, ev)
+    return Diagnosis(run_dir, findings, ev, find_waste(steady_records(records), config.metrics))
 
 
 def _straggler(ev: RunEvidence, metrics: MetricsConfig, data: DataConfig) -> Finding | None:
@@ -165,12 +173,12 @@ def _straggler(ev: RunEvidence, metrics: MetricsConfig, data: DataConfig) -> Fin
     ])
 
 
-def _data(ev: RunEvidence, data: DataConfig) -> Finding | None:
-    if ev.shares["data"] < DATA_BOUND_SHARE:
+def _data(ev: RunEvidence, data: DataConfig, metrics: MetricsConfig) -> Finding | None:
+    if ev.shares["data"] < metrics.data_stall_share:
         return None
     return Finding("data-bound", [
         f"waiting for data takes {_pct(ev.shares['data'])} of the {ev.step_time_s * 1000:.0f} ms step "
-        f"(threshold {_pct(DATA_BOUND_SHARE)})",
+        f"(threshold {_pct(metrics.data_stall_share)})",
     ], [
         f"raise data.num_workers (now {data.num_workers}) so batches are prepared in parallel processes",
         f"raise data.prefetch_factor (now {data.prefetch_factor}) so more batches are ready ahead",
@@ -178,9 +186,9 @@ def _data(ev: RunEvidence, data: DataConfig) -> Finding | None:
     ])
 
 
-def _comm(ev: RunEvidence, train: TrainConfig, parallel: ParallelConfig, comm: CommConfig,
+def _comm(ev: RunEvidence, train: TrainConfig, parallel: ParallelConfig, comm: CommConfig, metrics: MetricsConfig,
           facts: dict[str, Any]) -> Finding | None:
-    if ev.shares["comm"] < COMM_BOUND_SHARE:
+    if ev.shares["comm"] < metrics.exposed_comm_share:
         return None
     advice = [f"accumulate more: train.grad_accum (now {facts.get('grad_accum', train.grad_accum)}) syncs "
               "gradients once per optimizer step, so fewer syncs per sample"]
@@ -194,7 +202,7 @@ def _comm(ev: RunEvidence, train: TrainConfig, parallel: ParallelConfig, comm: C
                    "across nodes, shard within a node and replicate across: parallel.dp_replicate = number of nodes (HSDP)"]
     return Finding("communication-bound", [
         f"exposed (not overlapped) communication takes {_pct(ev.shares['comm'])} of the step "
-        f"(threshold {_pct(COMM_BOUND_SHARE)}); strategy {parallel.strategy} on {facts.get('world_size', '?')} ranks",
+        f"(threshold {_pct(metrics.exposed_comm_share)}); strategy {parallel.strategy} on {facts.get('world_size', '?')} ranks",
     ], advice)
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from meshyard.metrics.cost import fmt_usd
 from meshyard.metrics.schema import PHASES, phase_key
+from meshyard.metrics.waste import WasteWatch
 
 # How the breakdown names the phases on one line.
 _SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
@@ -18,13 +19,19 @@ _SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 
 class ProgressDisplay:
     """Shows step, loss, tokens/s and ETA. Off a terminal (CI, pipes, log files) a bar
-    would only produce escape codes, so one line is printed every ``log_every`` steps."""
+    would only produce escape codes, so one line is printed every ``log_every`` steps.
 
-    def __init__(self, total_steps: int, log_every: int, use_bar: bool) -> None:
+    With a ``waste`` watch, the waste above its thresholds (idle GPU, data stall, exposed
+    communication) over the watch's window is flagged: judged every ``log_every`` steps,
+    shown on the bar until the next judgement, or on that step's line."""
+
+    def __init__(self, total_steps: int, log_every: int, use_bar: bool, waste: WasteWatch | None = None) -> None:
         self.console = RichConsole(file=sys.stdout)
         self.total = total_steps
         self.log_every = log_every
         self.live = use_bar and self.console.is_terminal
+        self.waste = waste
+        self.flags = ""
         self._progress: Progress | None = None
         self._task = None
 
@@ -34,26 +41,32 @@ class ProgressDisplay:
         self._progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[split]}"
-                       "{task.fields[cost]}"),
+                       "{task.fields[cost]}{task.fields[waste]}"),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
             console=self.console, transient=False,
         )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total, completed=first_step, loss=float("nan"),
-                                             tps=0.0, split="", cost="")
+                                             tps=0.0, split="", cost="", waste="")
 
     def update(self, record: dict[str, Any]) -> None:
         step = record["step"]
+        logs = step % self.log_every == 0
+        if self.waste is not None:
+            self.waste.add(record)
+            if logs:
+                self.flags = "; ".join(self.waste.flags())
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=record["loss"], tps=record["tokens_per_s"],
-                                  split=breakdown(record), cost=_spaced(cost_text(record)))
-        elif step % self.log_every == 0 or step == self.total or step == 1:
+                                  split=breakdown(record), cost=_spaced(cost_text(record)),
+                                  waste=_spaced(waste_text(self.flags)))
+        elif logs or step == self.total or step == 1:
             extra = f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
             split = f"  ({breakdown(record)})" if "forward_s" in record else ""
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {record['loss']:.4f}{extra}  lr {record['lr']:.2e}  "
                 f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1000:.0f} ms/step{split}"
-                f"{_spaced(cost_text(record))}",
+                f"{_spaced(cost_text(record))}{_spaced(waste_text(self.flags) if logs else '')}",
                 highlight=False, soft_wrap=True,
             )
 
@@ -88,6 +101,11 @@ def cost_text(record: dict[str, Any]) -> str:
     if "cost_so_far_usd" not in record:
         return ""
     return f"cost {fmt_usd(record['cost_so_far_usd'])}, projected {fmt_usd(record['cost_projected_usd'])}"
+
+
+def waste_text(flags: str) -> str:
+    """'waste: idle GPU 42% of last 50 steps' (empty without flags)."""
+    return f"waste: {flags}" if flags else ""
 
 
 def _spaced(text: str) -> str:

@@ -1,8 +1,9 @@
-"""Optional sinks on rank 0: a Prometheus endpoint and TensorBoard event files.
+"""Optional sinks on rank 0: a Prometheus endpoint, TensorBoard event files and a Weights &
+Biases run.
 
-Both receive the same step records as metrics.jsonl. Per-rank figures (gathered every
+All receive the same step records as metrics.jsonl. Per-rank figures (gathered every
 ``metrics.gather_every`` steps) carry a ``rank`` label in Prometheus and a ``rank<N>/``
-tag prefix in TensorBoard.
+prefix in TensorBoard and W&B.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshyard.config.load import read_toml
 from meshyard.extras import require
 from meshyard.metrics.schema import EXPORTED_KEYS
 from meshyard.run_dir import RunDir
@@ -75,3 +77,41 @@ class TensorBoardExporter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbExporter:
+    """Logs scalars to a Weights & Biases run whose files lie under ``<run dir>/wandb``.
+
+    The W&B run starts at the first record rather than here: its config is the run's
+    recorded config.toml and run.json, which rank 0 writes after the exporters are built
+    and before the first step. ``mode`` 'offline' needs no network (``wandb sync`` uploads
+    the folder later). Each attempt of a restarted run is its own W&B run, grouped by the
+    run's id."""
+
+    def __init__(self, run_dir: Path, project: str, mode: str) -> None:
+        self._wandb = require("wandb", "metrics.wandb = true")
+        self.paths = RunDir(run_dir)
+        self.project = project
+        self.mode = mode
+        self.run: Any = None
+
+    def _start(self) -> Any:
+        facts = self.paths.read_run_facts()
+        config = {"config": read_toml(self.paths.config) if self.paths.config.exists() else {}, "run": facts}
+        settings = self._wandb.Settings(silent=True, console="off", disable_git=True, save_code=False)
+        # wandb puts its files in a folder of its own naming (RunDir.WANDB) under ``dir``.
+        return self._wandb.init(project=self.project, mode=self.mode, dir=str(self.paths.path),
+                                name=self.paths.path.name, group=facts.get("run_id"), config=config,
+                                settings=settings)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.run is None:
+            self.run = self._start()
+        scalars = {name: record[name] for name in SCALARS if isinstance(record.get(name), (int, float))}
+        for field, values in record.get("ranks", {}).items():
+            scalars.update({f"rank{rank}/{field}": value for rank, value in enumerate(values)})
+        self.run.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()

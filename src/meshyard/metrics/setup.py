@@ -10,7 +10,7 @@ from torch import nn
 
 from meshyard.config.sections import MetricsConfig
 from meshyard.metrics.cost import CostMeter, NullCostMeter, resolve_price
-from meshyard.metrics.exporters import PrometheusExporter, TensorBoardExporter
+from meshyard.metrics.exporters import PrometheusExporter, TensorBoardExporter, WandbExporter
 from meshyard.metrics.memory import MemoryProbe
 from meshyard.metrics.meter import StepMeter
 from meshyard.metrics.ranks import RankWindow
@@ -45,6 +45,8 @@ def build_exporters(cfg: MetricsConfig, run_dir: Path) -> list[Any]:
         exporters.append(PrometheusExporter(run_dir, cfg.prometheus_host, cfg.prometheus_port))
     if cfg.tensorboard:
         exporters.append(TensorBoardExporter(run_dir))
+    if cfg.wandb:
+        exporters.append(WandbExporter(run_dir, cfg.wandb_project, cfg.wandb_mode))
     return exporters
 
 

@@ -44,6 +44,7 @@ from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
 from meshyard.metrics.setup import build_cost, build_exporters, build_meter, build_timer
+from meshyard.metrics.waste import WasteWatch
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.compile import Compilation, resolve_compile
@@ -205,8 +206,8 @@ def observe(cfg: Config, runtime: Runtime, run_dir: Path) -> Observers:
     display (rank 0), this rank's log file, the hang watchdog (watching start-up with its
     own, longer timeout, then each step) and the step timer."""
     hosts = tuple(gather_host_labels())
-    display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar)
-               if runtime.is_main else NullDisplay())
+    display = (ProgressDisplay(cfg.train.steps, cfg.metrics.log_every, cfg.metrics.progress_bar,
+                               WasteWatch(cfg.metrics)) if runtime.is_main else NullDisplay())
     logger = rank_logger(run_dir, runtime.rank)
     report = Observers(display, logger, NullWatchdog(), None).report
     fault = cfg.fault
