@@ -19,6 +19,7 @@ from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
 from meshyard.config.sections import Config
 from meshyard.doctor import cli as doctor_cli
+from meshyard.doctor.dashboard import cli as dashboard_cli
 from meshyard.errors import EXIT_BAD_INPUT, BadInput, call_command
 from meshyard.export import cli as export_cli
 from meshyard.fault.preemption import EXIT_PREEMPTED, Preempted
@@ -92,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 # Each adds its parsers and binds their handlers; the order is that of 'meshyard --help'.
 REGISTRARS = (register, checkpoint_cli.register, plan_cli.register, verify_cli.register,
-              doctor_cli.register, bench_cli.register, place_cli.register, k8s_cli.register, slurm_cli.register,
+              doctor_cli.register, dashboard_cli.register, bench_cli.register, place_cli.register, k8s_cli.register, slurm_cli.register,
               serve_cli.register, export_cli.register)
 
 

@@ -190,6 +190,14 @@ class RunDir:
             return []
         return [json.loads(line) for line in self.restarts.read_text().splitlines() if line.strip()]
 
+    def read_guard(self) -> list[dict[str, Any]]:
+        """The spike and NaN guard's decisions (steps not kept, rollbacks), oldest first;
+        empty when it made none. A line still being written is left for a later read."""
+        if not self.guard.exists():
+            return []
+        return [json.loads(line) for line in self.guard.read_text().splitlines(keepends=True)
+                if line.strip() and line.endswith("\n")]
+
     def write_preemption(self, entry: dict[str, Any], rank: int | None = None) -> None:
         """``preemption.json`` (rank 0, ``rank`` None) or rank ``rank``'s copy under logs/."""
         path = self.preemption if rank is None else self.rank_preemption(rank)

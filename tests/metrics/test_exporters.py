@@ -25,7 +25,8 @@ def test_exported_scalars_are_the_schemas_and_keep_their_order():
     list came from the schema."""
     assert SCALARS == ("loss", "eval_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",
                        "samples_per_s", "mfu", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s",
-                       "rss_bytes", "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "comm_bytes",
+                       "rss_bytes", "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "gpu_utilization_pct",
+                       "comm_bytes",
                        "compression_ratio", "cost_per_step_usd", "cost_so_far_usd", "cost_projected_usd")
 
 
@@ -141,3 +142,18 @@ def test_wandb_offline_run_logs_the_losses_of_metrics_jsonl(make_config):
     config = items(run.config.update)
     assert config["run"]["run_id"] == RunDir(run_dir).read_run_facts()["run_id"]
     assert config["config"]["metrics"]["wandb"] is True
+
+
+def test_guard_events_are_counted_and_the_start_time_is_served(tmp_path):
+    """Without a run: one record the guard did not keep, scraped from a loopback endpoint."""
+    from meshyard.metrics.exporters import METRIC_NAMES, PrometheusExporter
+
+    exporter = PrometheusExporter(tmp_path, "127.0.0.1", 0)
+    try:
+        exporter.write({"step": 3, "loss": 2.5, "guard": "loss spike", "gpu_utilization_pct": 91.0})
+        body = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
+    finally:
+        exporter.close()
+    assert "meshyard_guard_events_total 1.0" in body and "meshyard_gpu_utilization_pct 91.0" in body
+    served = {line.split(" ")[0].split("{")[0] for line in body.splitlines() if line.startswith("meshyard_")}
+    assert "meshyard_start_time_seconds" in served and served <= set(METRIC_NAMES) | {"meshyard_guard_events_created"}

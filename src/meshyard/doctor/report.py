@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # no display needed; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
 from meshyard.doctor.diagnose import Diagnosis, diagnose, load_run  # noqa: E402
+from meshyard.doctor.figures import MIB, memory_key  # noqa: E402
 from meshyard.metrics.cost import Price, cost_summary, fmt_usd  # noqa: E402
 from meshyard.metrics.schema import OTHER, PHASES, phase_key  # noqa: E402
 from meshyard.run_dir import RunDir  # noqa: E402
@@ -93,9 +94,9 @@ def plot_ranks(records: list[dict[str, Any]], hosts: Sequence[str] = ()) -> str:
 
 
 def plot_memory(records: list[dict[str, Any]]) -> str:
-    key = "gpu_peak_reserved_bytes" if any("gpu_peak_reserved_bytes" in r for r in records) else "rss_bytes"
+    key = memory_key(records)
     fig, ax = _figure("Memory (rank 0)", "MiB " + ("peak reserved" if key.startswith("gpu") else "resident"))
-    ax.plot([r["step"] for r in records if key in r], [r[key] / 2**20 for r in records if key in r])
+    ax.plot([r["step"] for r in records if key in r], [r[key] * MIB for r in records if key in r])
     return _png(fig)
 
 

@@ -3,7 +3,8 @@ Biases run.
 
 All receive the same step records as metrics.jsonl. Per-rank figures (gathered every
 ``metrics.gather_every`` steps) carry a ``rank`` label in Prometheus and a ``rank<N>/``
-prefix in TensorBoard and W&B.
+prefix in TensorBoard and W&B. The Prometheus names are spelled here alone (``metric_name``,
+``METRIC_NAMES``): the dashboard queries them and its Grafana panels are built from them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,36 @@ from typing import Any
 
 from meshyard.config.load import read_toml
 from meshyard.extras import require
-from meshyard.metrics.schema import EXPORTED_KEYS
+from meshyard.metrics.schema import EXPORTED_KEYS, RANK_FIELDS
 from meshyard.run_dir import RunDir
 
 # The step figures each exporter sends as scalars: the schema's exported fields.
 SCALARS = EXPORTED_KEYS
+
+PREFIX = "meshyard_"
+STEP_METRIC = PREFIX + "step"
+# A counter of the steps the spike and NaN guard did not keep (records with ``guard``);
+# Prometheus' client adds the ``_total`` a counter's samples carry.
+GUARD_EVENTS = PREFIX + "guard_events"
+GUARD_EVENTS_METRIC = GUARD_EVENTS + "_total"
+# When this exporter started: rank 0's process starts again after every restart, so the
+# value changes once per restart (``changes()`` counts them).
+START_TIME_METRIC = PREFIX + "start_time_seconds"
+
+
+def metric_name(figure: str) -> str:
+    """The Prometheus gauge of a step figure: ``loss`` -> ``meshyard_loss``."""
+    return PREFIX + figure
+
+
+def rank_metric_name(field: str) -> str:
+    """The per-rank gauge (label ``rank``) of one of ``RANK_FIELDS``."""
+    return f"{PREFIX}rank_{field}"
+
+
+# Every metric name the endpoint may serve.
+METRIC_NAMES: tuple[str, ...] = (STEP_METRIC, *(metric_name(key) for key in SCALARS), GUARD_EVENTS_METRIC,
+                                 START_TIME_METRIC, *(rank_metric_name(field) for field in RANK_FIELDS))
 
 
 class PrometheusExporter:
@@ -29,9 +55,13 @@ class PrometheusExporter:
         CollectorRegistry, Gauge = client.CollectorRegistry, client.Gauge
 
         self.registry = CollectorRegistry()
-        self._gauges = {name: Gauge(f"meshyard_{name}", f"meshyard step figure {name}", registry=self.registry)
+        self._gauges = {name: Gauge(metric_name(name), f"meshyard step figure {name}", registry=self.registry)
                         for name in SCALARS}
-        self._gauges["step"] = Gauge("meshyard_step", "last completed optimizer step", registry=self.registry)
+        self._gauges["step"] = Gauge(STEP_METRIC, "last completed optimizer step", registry=self.registry)
+        self._guard_events = client.Counter(GUARD_EVENTS, "steps the spike and NaN guard did not keep",
+                                            registry=self.registry)
+        Gauge(START_TIME_METRIC, "when rank 0's exporter started (changes at every restart)",
+              registry=self.registry).set_to_current_time()
         self._rank_gauges: dict[str, Any] = {}
         self._gauge_cls = Gauge
         self.server, self._thread = client.start_http_server(port, addr=host, registry=self.registry)
@@ -44,11 +74,13 @@ class PrometheusExporter:
         for name in SCALARS:
             if isinstance(record.get(name), (int, float)):
                 self._gauges[name].set(record[name])
+        if record.get("guard"):
+            self._guard_events.inc()
         for field, values in record.get("ranks", {}).items():
             gauge = self._rank_gauges.get(field)
             if gauge is None:
                 gauge = self._rank_gauges[field] = self._gauge_cls(
-                    f"meshyard_rank_{field}", f"per-rank mean of {field} over the last window", ["rank"],
+                    rank_metric_name(field), f"per-rank mean of {field} over the last window", ["rank"],
                     registry=self.registry)
             for rank, value in enumerate(values):
                 gauge.labels(rank=str(rank)).set(value)

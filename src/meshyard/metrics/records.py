@@ -62,6 +62,28 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_new_metrics(run_dir: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]], int, bool]:
+    """The step records written to metrics.jsonl from byte ``offset`` on, for a reader that
+    follows a run while it trains: ``(records, next offset, restarted)``.
+
+    A line still being written (no newline yet) waits for the next call. A file shorter
+    than ``offset`` was trimmed by a resume (``truncate_metrics``): it is read again from
+    the start and ``restarted`` says so, for the reader to drop what it had."""
+    path = RunDir(Path(run_dir)).metrics
+    try:
+        with path.open("rb") as handle:
+            size = handle.seek(0, 2)
+            restarted = size < offset
+            start = 0 if restarted else offset
+            handle.seek(start)
+            data = handle.read(size - start)
+    except FileNotFoundError:  # the run has not recorded its first step yet
+        return [], 0, offset > 0
+    complete = data[: data.rfind(b"\n") + 1]
+    records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+    return records, start + len(complete), restarted
+
+
 class Sinks:
     """Where step records go: the display, metrics.jsonl, the per-rank log, and optional
     exporters (Prometheus, TensorBoard) on rank 0."""

@@ -120,7 +120,8 @@ FIELDS: dict[str, Field] = {
                                       "metrics.memory", exported=True),
     "gpu_peak_reserved_bytes": Field(COUNT, False, "bytes", "peak CUDA memory reserved by the allocator (GPU "
                                      "runs)", "metrics.memory", exported=True),
-    "gpu_utilization_pct": Field(NUMBER, False, "%", "GPU utilisation (GPU runs with NVML)", "metrics.memory"),
+    "gpu_utilization_pct": Field(NUMBER, False, "%", "GPU utilisation (GPU runs with NVML)", "metrics.memory",
+                                 exported=True),
     "gpu_power_w": Field(NUMBER, False, "W", "GPU power draw (GPU runs with NVML)", "metrics.memory"),
     "gpu_temperature_c": Field(NUMBER, False, "degC", "GPU temperature (GPU runs with NVML)", "metrics.memory"),
     # gradient communication (DDP and single-process runs; not FSDP)
