@@ -29,6 +29,7 @@ def test_defaults_have_no_problems():
     ("--precision.loss_scale_growth_interval=0", "precision.loss_scale_growth_interval = 0 must be at least 1"),
     ("--checkpoint.keep_last=0", "checkpoint.keep_last = 0 must be at least 1"),
     ("--fault.signals=['SIGKILL']", "fault.signals: 'SIGKILL' is not one of SIGTERM"),
+    ("--guard.snapshot_every=-1", "guard.snapshot_every = -1 must not be negative"),
     ("--metrics.prometheus_port=70000", "metrics.prometheus_port = 70000 is not a port number"),
     ("--metrics.idle_span_steps=80", "metrics.idle_span_steps = 80 must be between 1 and metrics.waste_window (50)"),
     ("--metrics.idle_gpu_util=50", "metrics.idle_gpu_util = 50.0 must be in (0, 1]"),
@@ -40,6 +41,14 @@ def test_defaults_have_no_problems():
 def test_each_section_is_checked(override, fragment):
     [problem] = field_problems(load_config(None, [override]))
     assert fragment in problem
+
+
+def test_rolling_back_to_checkpoints_needs_checkpoints():
+    overrides = ["--guard.enabled=true", "--guard.snapshot_every=0"]
+    [problem] = field_problems(load_config(None, [*overrides, "--checkpoint.enabled=false"]))
+    assert problem.startswith("guard.snapshot_every = 0 rolls back to the newest checkpoint of the run, but "
+                              "checkpoint.enabled = false")
+    assert not field_problems(load_config(None, [*overrides, "--checkpoint.enabled=true"]))
 
 
 def test_a_tokenizer_applies_to_text_sources_only():

@@ -21,11 +21,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager, SaveOutcome, read_trainer_state
+from meshyard.checkpoint.manager import (CheckpointManager, NullCheckpointManager, SaveOutcome, read_trainer_state,
+                                         step_of)
 from meshyard.checkpoint.resume import ResumePoint, agree_resume_point
 from meshyard.checkpoint.state import SafeLoadPlanner, Stateful, load_tensor_state, tensor_state
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
+from meshyard.runtime.distributed import rank0_decides
 
 
 @dataclass
@@ -100,9 +102,11 @@ class Checkpointer:
         self.manager.save(step, tensors, shared, facts, blocking=blocking)
         self.saved_step = step
 
-    def load(self, point: ResumePoint) -> bool:
+    def load(self, point: ResumePoint, parts: tuple[str, ...] | None = None) -> bool:
         """Fill the bundle from ``point``; returns whether this rank's RNG state was
-        restored (only when a rank of that number saved one)."""
+        restored (only when a rank of that number saved one). ``parts``: the shared parts
+        to load (all when None; the guard's rollback leaves its own state and the data
+        stream's skip list as they are)."""
         state = self.state
         store = CheckpointStore(point.root, self.cfg.storage_options)
         location = store.path(point.name)
@@ -113,10 +117,32 @@ class Checkpointer:
             state.model, state.optimizer, self.rank, saved_keys, state.per_rank, state.zero1,
         )
         for name, part in state.shared.items():
+            if parts is not None and name not in parts:
+                continue
             if name in shared:  # a part added since that checkpoint was saved (the guard's) starts afresh
                 part.load_state_dict(shared[name])
         self.saved_step = int(shared["progress"]["step"]) if "progress" in shared else -1
         return restored_rng
+
+    def newest_own(self, at_most: int) -> ResumePoint | None:
+        """This run's newest committed checkpoint of step ``at_most`` or earlier, the same
+        on every rank (rank 0 reads the manifests; a save in flight is committed first);
+        None without one."""
+        if not self.enabled:
+            return None
+        self.wait()
+        manager = self.manager
+        assert isinstance(manager, CheckpointManager)
+
+        def newest() -> ResumePoint | None:
+            own = [(step_of(name) or 0, name, manifest) for name, manifest in manager.own_committed()]
+            earlier = [entry for entry in own if entry[0] <= at_most]
+            if not earlier:
+                return None
+            _, name, manifest = max(earlier, key=lambda entry: entry[0])
+            return ResumePoint(manager.store.url, name, manifest, self.cfg.storage_options)
+
+        return rank0_decides(newest)
 
     def choose(self, resume: str, own_root: str, restarted: bool, report: Callable[[str], None],
                world_size: int) -> ResumePoint | None:

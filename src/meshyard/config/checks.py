@@ -37,7 +37,7 @@ def field_problems(cfg: Config) -> list[str]:
         *_precision_problems(cfg.precision),
         *_checkpoint_problems(cfg.checkpoint),
         *_fault_problems(cfg.fault),
-        *_guard_problems(cfg.guard),
+        *_guard_problems(cfg.guard, cfg.checkpoint),
         *_metrics_problems(cfg.metrics),
         *_run_problems(cfg.run),
         *_serve_problems(cfg.serve),
@@ -260,13 +260,17 @@ def _fault_problems(f: FaultConfig) -> list[str]:
     ])
 
 
-def _guard_problems(g: GuardConfig) -> list[str]:
+def _guard_problems(g: GuardConfig, c: CheckpointConfig) -> list[str]:
     return _failed([
         (g.window >= 3, f"guard.window = {g.window} must be at least 3 (a median and a spread need several losses)"),
         (g.warmup_steps >= 0, f"guard.warmup_steps = {g.warmup_steps} must not be negative"),
         (g.spike_mads > 0, f"guard.spike_mads = {g.spike_mads} must be positive"),
         (g.bad_in_a_row >= 1, f"guard.bad_in_a_row = {g.bad_in_a_row} must be at least 1"),
-        (g.snapshot_every >= 1, f"guard.snapshot_every = {g.snapshot_every} must be at least 1"),
+        (g.snapshot_every >= 0, f"guard.snapshot_every = {g.snapshot_every} must not be negative (0 rolls back "
+                                "to the newest checkpoint)"),
+        (not (g.enabled and g.snapshot_every == 0) or c.enabled,
+         "guard.snapshot_every = 0 rolls back to the newest checkpoint of the run, but checkpoint.enabled = false; "
+         "enable checkpoints or keep host snapshots (guard.snapshot_every >= 1)"),
         (g.max_rollbacks >= 0, f"guard.max_rollbacks = {g.max_rollbacks} must not be negative"),
         (0 < g.lr_factor <= 1, f"guard.lr_factor = {g.lr_factor} must be in (0, 1]"),
         (g.lr_steps >= 0, f"guard.lr_steps = {g.lr_steps} must not be negative"),

@@ -294,7 +294,8 @@ class GuardConfig:
     bad_in_a_row: int = option(2, "Bad steps in a row that make the run roll back and skip their samples.")
     snapshot_every: int = option(
         10, "Copy model, optimizer and schedule state to host memory every this many steps: where a rollback "
-        "returns to.",
+        "returns to. 0 keeps no snapshot: a rollback loads the run's newest checkpoint from before the bad "
+        "steps (needs checkpoint.enabled; no host memory, but it goes back as far as checkpoint.interval).",
     )
     max_rollbacks: int = option(3, "Rollbacks allowed in a run; one more stops it with a message.")
     lr_factor: float = option(1.0, "After a rollback, the learning rate is multiplied by this for lr_steps steps.")

@@ -148,6 +148,9 @@ FIELDS: dict[str, Field] = {
                        "entries (on such steps)", "train.trainer", items=(dict,)),
     "guard": Field((str,), False, "", "why the spike and NaN guard did not keep the step's update (only then; "
                    "details in guard.jsonl)", "train.trainer"),
+    "replay": Field((bool,), False, "", "true on a step trained again after the spike and NaN guard rolled back "
+                    "(only then): its number was recorded before, and this record supersedes that one",
+                    "train.trainer"),
     "ranks": Field((dict,), False, "", "every rank's mean figures over the last window: RANK_FIELDS -> list by "
                    "rank (every metrics.gather_every steps)", "metrics.ranks"),
     "stragglers": Field((list,), False, "rank", "ranks whose busy time exceeds the median by "

@@ -26,8 +26,15 @@ before its update in the same way: it waits for the step's agreed loss and gradi
 norm (one host synchronisation per step, so on a GPU the host no longer runs a step
 ahead of the device), drops the update of a bad step, and after several bad steps in a
 row restores the newest host snapshot (taken every ``guard.snapshot_every`` steps with
-nothing in flight), skips the samples of those steps in the data stream and goes on.
-Every decision is a line of guard.jsonl and a console note.
+nothing in flight) or, with ``snapshot_every = 0``, the run's newest checkpoint from
+before them (``train.rollback``), skips the samples of those steps in the data stream and
+goes on. Every decision is a line of guard.jsonl and a console note. Replayed steps are
+recorded again, marked ``replay``; the summary's losses are those of kept steps. A
+checkpoint that falls due during a run of bad steps waits for the next kept step (after a
+rollback, its step comes round again), so no checkpoint holds a half-judged stretch: a
+checkpoint saved before the rollback lets a resumed run meet the same bad steps and roll
+back over them again, and every one saved after it (a step saved in the first pass is
+saved again, replacing it) carries the skip list.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks
 from meshyard.parallel.parallelize import Parallelized
 from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.train.precision import Precision
-from meshyard.train.snapshot import Snapshot, restore_snapshot, take_snapshot
+from meshyard.train.rollback import CheckpointRollback, RollbackTarget, SnapshotRollback
 from meshyard.train.state import TrainProgress
 from meshyard.train.step import Batch, RunnerFigures, StepRunner
 
@@ -196,10 +203,11 @@ class Trainer:
         self.timer = self.meter.timer
         self.on_nonfinite = on_nonfinite
         self.guard, self.guard_log = guard, services.guard_log
-        self.snapshot_every = snapshot_every
-        self._snapshot: Snapshot | None = None
         self._lr_factor = 1.0  # the guard's lowering of the scheduled learning rate, in force now
         self.progress = progress
+        self.rollback: RollbackTarget = (
+            SnapshotRollback(snapshot_every, self.model, self.optimizer, self.scheduler, self.precision, self.device)
+            if snapshot_every > 0 else CheckpointRollback(self.checkpoints, progress))
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._last_eval_loss: float | None = None
         self._checkpoint_stall: float | None = None
@@ -280,7 +288,7 @@ class Trainer:
         if self.on_nonfinite == "stop":
             with self.timer.phase("comm", where="sync"):
                 self._stop_if_nonfinite(step, loss, grad_norm, pending)
-        verdict = self._judge(grad_norm, pending) if self.guard is not None else KEPT
+        verdict = self._judge(step, grad_norm, pending) if self.guard is not None else KEPT
         with self.timer.phase("optimizer"):
             self._apply_update(verdict.keep)
         with self.timer.phase("comm", where="sync"):
@@ -308,7 +316,7 @@ class Trainer:
                 group["lr"] = lr * factor
         self._lr_factor = factor
 
-    def _judge(self, grad_norm: torch.Tensor, pending: _PendingAgreement) -> Verdict:
+    def _judge(self, step: int, grad_norm: torch.Tensor, pending: _PendingAgreement) -> Verdict:
         """The guard's verdict on a step, before its update: waits for the agreed loss and
         the gradient norm, which are the same on every rank, so every rank judges alike."""
         assert self.guard is not None
@@ -317,7 +325,7 @@ class Trainer:
                 pending.work.wait()
             loss_total, loss_weight = pending.flags[:2].tolist()
             norm = grad_norm.item()
-        return self.guard.judge(loss_total / loss_weight, norm)
+        return self.guard.judge(step, loss_total / loss_weight, norm)
 
     def _send_back(self, grad_norm: torch.Tensor, pending: _PendingAgreement) -> tuple[torch.Tensor, Any]:
         """The step's ``READOUT`` on its way to the host. The agreement was started before
@@ -359,7 +367,8 @@ class Trainer:
         step = issued.step
         self.progress.step = step
         self.progress.tokens_seen += self.tokens_per_step
-        self.progress.losses.append(agreed.loss)
+        if issued.verdict.keep:  # the summary's losses: what training kept
+            self.progress.losses.append(agreed.loss)
         record = {
             "step": step, "loss": agreed.loss, "lr": issued.lr, "grad_norm": read["grad_norm"],
             "step_time_s": step_time, "data_time_s": issued.data_time,
@@ -380,6 +389,8 @@ class Trainer:
         record.update(self._cost_figures(step, step_time))
         if nonfinite or not math.isfinite(record["grad_norm"]):
             record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
+        if issued.verdict.replay:
+            record["replay"] = True
         if not issued.verdict.keep:
             record["guard"] = issued.verdict.reason
             self._report_not_kept(step, issued.verdict, agreed.loss, record["grad_norm"])
@@ -433,7 +444,7 @@ class Trainer:
         start = self._period_start = time.perf_counter()
         self.sinks.display.start(self.progress.step)
         in_flight: IssuedStep | None = None
-        preempt = time_save = roll_back = False
+        preempt = time_save = roll_back = save_waiting = False
         if self.guard is not None:
             self._take_snapshot(force=True)  # a rollback always has somewhere to go
             self._lr_factor = 0.0  # a resumed run lowered its learning rate: so does this one
@@ -460,21 +471,17 @@ class Trainer:
                     continue
                 # Nothing in flight: the weights are those of progress.step.
                 if roll_back:
-                    # Back at the snapshot's step, whose checkpoint (if one is due there) was saved before.
-                    roll_back = False
+                    # Back at a step whose snapshot or checkpoint exists; the saves that waited
+                    # for the bad steps fall due again when their steps are trained again.
+                    roll_back = save_waiting = False
                     self._roll_back()
                     continue
                 if self._snapshot_step(self.progress.step):
                     self._take_snapshot()
                 if preempt:
                     self._stop_for_preemption()
-                if time_save or self.checkpoints.due(self.progress.step):
-                    time_save = False
-                    self.timer.mark("checkpoint")
-                    stall_start = time.perf_counter()
-                    self.save_checkpoint(eval_loss=self._last_eval_loss)
-                    self._period_start = time.perf_counter()
-                    self._checkpoint_stall = self._period_start - stall_start
+                save_waiting = self._save_if_due(save_waiting or time_save)
+                time_save = False
             if self.checkpoints.save_final and self.checkpoints.saved_step != self.progress.step:
                 self.timer.mark("checkpoint")
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
@@ -482,6 +489,21 @@ class Trainer:
         finally:
             self.sinks.display.stop()
         return self._summary(time.perf_counter() - start)
+
+    def _save_if_due(self, waiting: bool) -> bool:
+        """Save the weights of ``progress.step`` when a save is due or ``waiting``; returns
+        whether one still waits. A save due during a run of bad steps waits for the next
+        kept step: no checkpoint holds a half-judged stretch."""
+        if not (waiting or self.checkpoints.due(self.progress.step)):
+            return False
+        if self._in_bad_run():
+            return True
+        self.timer.mark("checkpoint")
+        stall_start = time.perf_counter()
+        self.save_checkpoint(eval_loss=self._last_eval_loss)
+        self._period_start = time.perf_counter()
+        self._checkpoint_stall = self._period_start - stall_start
+        return False
 
     def _report_nonfinite(self, step: int, local_loss: float, grad_norm: float) -> list[dict[str, Any]]:
         """Name the ranks with a NaN/inf loss (rare path: one object all-gather)."""
@@ -501,39 +523,43 @@ class Trainer:
 
     # the spike and NaN guard ------------------------------------------------------------
     def _snapshot_step(self, step: int) -> bool:
-        return self.guard is not None and step % self.snapshot_every == 0
+        return self.guard is not None and self.rollback.due(step)
+
+    def _in_bad_run(self) -> bool:
+        return self.guard is not None and self.guard.in_a_row > 0
 
     def _take_snapshot(self, force: bool = False) -> None:
         """Copy the state of ``progress.step`` to the host, unless a run of bad steps is
         under way (its rollback must go back beyond them)."""
-        if self.guard is None or (self.guard.in_a_row and not force):
+        if self.guard is None or (self._in_bad_run() and not force):
             return
-        self._snapshot = take_snapshot(self.progress.step, self.progress.tokens_seen, self.model, self.optimizer,
-                                       self.scheduler, self.precision.scaler, self.device)
+        self.rollback.take(self.progress.step, self.progress.tokens_seen)
 
     def _roll_back(self) -> None:
-        """Restore the newest snapshot and skip the samples of the bad steps that asked for
-        it (raises ``GuardStop`` past ``guard.max_rollbacks``)."""
-        assert self.guard is not None and self._snapshot is not None
-        snapshot, from_step, sampler = self._snapshot, self.progress.step, self.data.sampler
-        stream_steps = [sampler.stream_step(step) for step in range(from_step - self.guard.in_a_row + 1,
-                                                                    from_step + 1)]
-        self.guard.start_rollback(from_step, snapshot.step)
-        restore_snapshot(snapshot, self.model, self.optimizer, self.scheduler, self.precision.scaler, self.device)
-        self.progress.step, self.progress.tokens_seen = snapshot.step, snapshot.tokens_seen
-        sampler.skip(stream_steps)
-        self.data.seek(snapshot.step)
+        """Restore the newest snapshot or checkpoint from before the bad steps that asked
+        for it and skip their samples (raises ``GuardStop`` past ``guard.max_rollbacks``,
+        or when there is nothing to return to)."""
+        assert self.guard is not None
+        from_step, sampler = self.progress.step, self.data.sampler
+        first_bad = from_step - self.guard.in_a_row + 1
+        stream_steps = [sampler.stream_step(step) for step in range(first_bad, from_step + 1)]
+        to_step = self.rollback.newest(first_bad - 1)
+        self.guard.start_rollback(from_step, to_step, self.rollback.kind)
+        self.progress.step, self.progress.tokens_seen = self.rollback.restore()
+        sampler.skip(stream_steps)  # added to the live list, which holds every earlier skip
+        self.data.seek(self.progress.step)
         self._train_iter = iter(self.data.train_loader)
         self._lr_factor = 0.0  # forces the rates back to the restored schedule's
         self._follow_schedule()
         skipped = sorted(index for stream_step in stream_steps for index in sampler.global_indices(stream_step))
-        self.guard_log.write({"event": "rollback", "step": from_step, "to_step": snapshot.step,
-                              "rollback": self.guard.rollbacks, "skipped_stream_steps": stream_steps,
-                              "skipped_samples": skipped, "lr_factor": self._lr_factor,
-                              "lr_steps": self.guard.lr_steps_left, "time": time.time()})
-        self.sinks.warn(f"guard: rolled back from step {from_step} to step {snapshot.step} (rollback "
-                        f"{self.guard.rollbacks}); skipping the {len(skipped)} samples of stream steps "
-                        f"{stream_steps}")
+        self.guard_log.write({"event": "rollback", "step": from_step, "to_step": self.progress.step,
+                              "to": self.rollback.kind, "rollback": self.guard.rollbacks,
+                              "skipped_stream_steps": stream_steps, "skipped_samples": skipped,
+                              "lr_factor": self._lr_factor, "lr_steps": self.guard.lr_steps_left,
+                              "time": time.time()})
+        self.sinks.warn(f"guard: rolled back from step {from_step} to the {self.rollback.kind} of step "
+                        f"{self.progress.step} (rollback {self.guard.rollbacks}); skipping the {len(skipped)} "
+                        f"samples of stream steps {stream_steps}")
         self._period_start = time.perf_counter()
 
     def _report_not_kept(self, step: int, verdict: Verdict, loss: float, grad_norm: float) -> None:
