@@ -1,6 +1,6 @@
 """The spike and NaN guard in training: a poisoned window of samples is dropped, rolled
 back over (to a host snapshot, or with guard.snapshot_every = 0 to the newest checkpoint)
-and skipped exactly, on one rank and on two (DDP and FSDP); replayed steps are marked; a
+and skipped exactly, on one rank and on two (DDP, FSDP, TP and PP); replayed steps are marked; a
 NaN step is dropped under read-ahead, and a dropped last step leaves the summary the last
 kept loss; past guard.max_rollbacks, or without a checkpoint to return to, the run stops
 with one paragraph; a run resumed from any checkpoint (before the poison, what a kill
@@ -88,10 +88,15 @@ def test_without_a_checkpoint_to_return_to_the_run_stops_with_one_paragraph(tmp_
     assert "none of step 24 or earlier was committed" in message and "set guard.snapshot_every" in message
 
 
-def test_all_ranks_decide_together_under_ddp_and_fsdp(tmp_path):
-    configs = [tiny_config(tmp_path / strategy, f"--data.source={DATA}:poisoned", *RUN, *GUARD,
-                           f"--parallel.strategy={strategy}", "--train.micro_batch=4")
-               for strategy in ("ddp", "fsdp")]
+LAYOUTS = {"ddp": ("--parallel.strategy=ddp",), "fsdp": ("--parallel.strategy=fsdp",),
+           "tp2": ("--parallel.strategy=none", "--parallel.tp=2"),
+           "pp2": ("--parallel.strategy=none", "--parallel.pp=2")}
+
+
+def test_all_ranks_decide_together_under_every_layout(tmp_path):
+    configs = [tiny_config(tmp_path / name, f"--data.source={DATA}:poisoned", *RUN, *GUARD, *layout,
+                           "--train.micro_batch=4")
+               for name, layout in LAYOUTS.items()]
     configs.append(tiny_config(tmp_path / "ddp_to_checkpoint", f"--data.source={DATA}:poisoned", *RUN, *GUARD,
                                *TO_CHECKPOINTS, "--parallel.strategy=ddp", "--train.micro_batch=4"))
     single = fit_here(tiny_config(tmp_path / "single", f"--data.source={DATA}:poisoned", *RUN, *GUARD))
