@@ -18,6 +18,7 @@ from meshyard.checkpoint import cli as checkpoint_cli
 from meshyard.config.dump import config_to_toml
 from meshyard.config.load import ConfigError, collect_config, group_override_tokens, load_config
 from meshyard.config.sections import Config
+from meshyard.data import cli as data_cli
 from meshyard.doctor import cli as doctor_cli
 from meshyard.doctor.dashboard import cli as dashboard_cli
 from meshyard.errors import EXIT_BAD_INPUT, BadInput, call_command
@@ -94,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # Each adds its parsers and binds their handlers; the order is that of 'meshyard --help'.
 REGISTRARS = (register, checkpoint_cli.register, plan_cli.register, verify_cli.register,
               doctor_cli.register, dashboard_cli.register, bench_cli.register, place_cli.register, k8s_cli.register, slurm_cli.register,
-              serve_cli.register, export_cli.register)
+              serve_cli.register, export_cli.register, data_cli.register)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,7 +51,7 @@ from meshyard.runtime.batch_plan import BatchPlan, BatchPlanError
 from meshyard.runtime.devices import default_nproc, local_launch_problem, visible_gpu_count
 from meshyard.runtime.parallel_dims import ParallelDims, ParallelDimsError
 
-DATA_SOURCES = ("stdlib", "text", "tokens", "random")
+DATA_SOURCES = ("stdlib", "text", "tokens", "shards", "random")
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,9 @@ def _data_problems(d: DataConfig) -> list[str]:
     return _failed([
         (d.source not in ("text", "tokens") or bool(d.paths),
          f"data.source = '{d.source}' needs data.paths (files or glob patterns)"),
+        (d.source != "shards" or bool(d.url.strip()),
+         "data.source = 'shards' needs data.url, the folder or URL 'meshyard data prepare' wrote"),
+        (d.cache_bytes >= 1, f"data.cache_bytes = {d.cache_bytes} must be at least 1"),
         (all(isinstance(path, str) for path in d.paths),
          f"data.paths = {d.paths} must list files or glob patterns as strings"),
         (d.seq_len >= 1, f"data.seq_len = {d.seq_len} must be at least 1"),

@@ -59,8 +59,9 @@ class DataConfig:
     source: str = option(
         "stdlib",
         "'stdlib' (this Python's standard-library sources, no download), 'text' (files in "
-        "data.paths), 'tokens' (pre-tokenized .npy/.bin in data.paths), 'random', or your own "
-        "dataset builder as 'module:function' / 'file.py:function'.",
+        "data.paths), 'tokens' (pre-tokenized .npy/.bin in data.paths), 'shards' (a corpus written by "
+        "'meshyard data prepare' at data.url), 'random', or your own dataset builder as 'module:function' / "
+        "'file.py:function'.",
     )
     paths: list = option([], "Files or glob patterns for the 'text' and 'tokens' sources: for 'text', .txt files "
                          "(each a document) and .jsonl files (each record a document, its data.text_field).")
@@ -82,6 +83,13 @@ class DataConfig:
     num_workers: int = option(0, "Loader worker processes per rank (0 loads in the training process).")
     prefetch_factor: int = option(2, "Batches each loader worker prepares ahead (needs num_workers > 0).")
     cache_dir: str = option("", "Where tokenized corpora are cached; empty uses ~/.cache/meshyard.")
+    url: str = option("", "For data.source = 'shards': the folder or fsspec URL (s3://, gs://) that "
+                      "'meshyard data prepare' wrote.")
+    cache_bytes: int = option(1 << 30, "For data.source = 'shards': the most bytes of shards each rank keeps in its "
+                              "local cache (under data.cache_dir), evicting the least recently used.")
+    storage_options: dict = option({}, "For data.source = 'shards': fsspec options of data.url's storage, e.g. "
+                                   "{ client_kwargs = { endpoint_url = \"http://...\" } }; credentials are best "
+                                   "left to the environment.")
 
 
 @dataclass

@@ -20,7 +20,9 @@ import numpy as np
 
 from meshyard.config.checks import BYTES
 from meshyard.config.sections import DataConfig
-from meshyard.data.cache import DataSourceError, default_cache_dir, dtype_suffix, files_fingerprint, token_dtype
+from meshyard.data.cache import (DataSourceError, default_cache_dir, dtype_suffix, files_fingerprint, token_dtype,
+                                 write_atomically)
+from meshyard.data.shard_reader import ShardedTokens, open_shards
 from meshyard.data.text import (BYTE_ENCODING, BYTE_VOCAB, DOCUMENT_SEPARATOR, JSONL_SUFFIX, Encoding,
                                 build_token_cache, documents, tokenizer_encoding)
 from meshyard.data.tokenizer import ResolvedTokenizer, resolve_tokenizer
@@ -103,6 +105,18 @@ def load_token_files(files: list[Path], token_dtype: str) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
+def shard_corpus(cfg: DataConfig, cache_dir: Path) -> TokenCorpus:
+    """The prepared corpus at ``data.url``, read through a local shard cache (``shard_reader``)."""
+    tokens = open_shards(cfg.url, cfg.storage_options, cache_dir, cfg.cache_bytes)
+    index = tokens.cache.index
+    tokenizer_file = None
+    if index.tokenizer:  # the run directory copies it, so fetch it beside the cached shards
+        tokenizer_file = tokens.cache.folder.parent / index.tokenizer
+        write_atomically(tokenizer_file, tokens.cache.store.read(index.tokenizer))
+    return TokenCorpus(tokens, index.vocab_size,  # type: ignore[arg-type]  # array-like, see ShardedTokens
+                       f"shards: {len(index.shards)} of {cfg.url}, {len(tokens):,} tokens", tokenizer_file)
+
+
 def load_corpus(cfg: DataConfig) -> TokenCorpus:
     """The corpus named by ``data.source`` (built-in sources only; custom datasets bypass this)."""
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
@@ -122,6 +136,8 @@ def load_corpus(cfg: DataConfig) -> TokenCorpus:
                 "raise data.vocab_size or check data.token_dtype"
             )
         corpus = TokenCorpus(tokens, vocab, f"tokens: {len(tokens):,} from {len(cfg.paths)} pattern(s)")
+    elif cfg.source == "shards":
+        corpus = shard_corpus(cfg, cache_dir)
     elif cfg.source == "random":
         vocab = cfg.vocab_size or BYTE_VOCAB
         rng = np.random.default_rng(0)
@@ -130,6 +146,8 @@ def load_corpus(cfg: DataConfig) -> TokenCorpus:
     else:
         raise DataSourceError(f"unknown data.source '{cfg.source}'")
     if cfg.max_tokens and len(corpus.tokens) > cfg.max_tokens:
-        corpus = TokenCorpus(corpus.tokens[: cfg.max_tokens], corpus.vocab_size, corpus.description + " (truncated)",
+        head = corpus.tokens[: cfg.max_tokens] if not isinstance(corpus.tokens, ShardedTokens) else \
+            corpus.tokens.head(cfg.max_tokens)  # shards: no download of what is cut off
+        corpus = TokenCorpus(head, corpus.vocab_size, corpus.description + " (truncated)",
                              corpus.tokenizer_file)
     return corpus

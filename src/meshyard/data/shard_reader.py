@@ -1,0 +1,187 @@
+"""Reading a sharded corpus (``meshyard.data.shards``) through a bounded local cache.
+
+``ShardedTokens`` stands where a token array stands (``TokenWindows`` slices and gathers
+it), so the sampler and the order of samples are the same as for any other source: a
+function of the seed and the global batch. A rank fetches only the shards its windows
+fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at most
+``cache_bytes`` of them, evicting the least recently used; ``prefetch`` fetches shards on
+background threads, so that a later read finds them there. A read that must wait for a
+fetch waits inside the loader, which the step breakdown counts as its data phase.
+
+A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
+whose digest does not match the index is fetched once more, then refused.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from meshyard.data.cache import DataSourceError, write_atomically
+from meshyard.data.shards import ShardEntry, ShardIndex, ShardStore, digest
+
+FETCH_ATTEMPTS = 4
+"""Tries of one download before its error is final: object stores fail now and then."""
+FIRST_PAUSE_S = 0.05
+"""Pause before the second try; each later one doubles it."""
+PREFETCH_THREADS = 2
+
+
+class ShardCache:
+    """Shards of one corpus as local files, at most ``cache_bytes`` of them (see the module docstring)."""
+
+    def __init__(self, store: ShardStore, index: ShardIndex, folder: Path, cache_bytes: int) -> None:
+        largest = max((s.tokens for s in index.shards), default=0) * index.element.itemsize
+        if cache_bytes < largest:
+            raise DataSourceError(
+                f"data.cache_bytes = {cache_bytes} cannot hold one shard of {store.url} ({largest} bytes); raise "
+                f"data.cache_bytes to at least {2 * largest} (two shards: one read, one fetched ahead)")
+        self.store, self.index, self.folder, self.cache_bytes = store, index, folder, cache_bytes
+        self._resident: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
+        self.fetches = 0  # downloads done, retries included: what tests and stall reports count
+
+    def prefetch(self, entries: Iterable[ShardEntry]) -> None:
+        """Start fetching ``entries`` not yet here, in the background."""
+        for entry in entries:
+            self._future(entry)
+
+    def get(self, entry: ShardEntry) -> np.ndarray:
+        """The shard's tokens, fetched first when they are not here (waiting for a prefetch under way)."""
+        while True:
+            self._future(entry).result()
+            with self._lock:
+                if entry.name in self._resident:  # else a fetch for another read evicted it meanwhile
+                    self._resident.move_to_end(entry.name)
+                    # Read into memory now: an eviction by a later fetch may delete the file.
+                    return np.fromfile(self.folder / entry.name, dtype=self.index.element)
+
+    @property
+    def capacity(self) -> int:
+        """How many of the largest shards fit in the cache at once (at least one)."""
+        largest = max(s.tokens for s in self.index.shards) * self.index.element.itemsize
+        return max(1, self.cache_bytes // max(largest, 1))
+
+    def _future(self, entry: ShardEntry) -> Future:
+        with self._lock:
+            if entry.name in self._resident:
+                done: Future = Future()
+                done.set_result(None)
+                return done
+            if entry.name not in self._pending:
+                self._pending[entry.name] = self._pool.submit(self._fetch, entry)
+            return self._pending[entry.name]
+
+    def _fetch(self, entry: ShardEntry) -> None:
+        try:
+            data = self._download(entry)
+            if digest(data) != entry.sha256:
+                data = self._download(entry)  # a corrupted transfer is worth one more
+                if digest(data) != entry.sha256:
+                    raise DataSourceError(
+                        f"shard {entry.name} of {self.store.url} does not match the digest in its index, twice in a "
+                        "row: the stored file is damaged or was replaced after the index was written; prepare the "
+                        f"corpus again with 'meshyard data prepare SOURCE --out {self.store.url}'")
+            with self._lock:
+                self._make_room(len(data))
+                write_atomically(self.folder / entry.name, data)
+                self._resident[entry.name] = len(data)
+        finally:
+            with self._lock:
+                self._pending.pop(entry.name, None)
+
+    def _download(self, entry: ShardEntry) -> bytes:
+        for attempt in range(FETCH_ATTEMPTS):
+            try:
+                self.fetches += 1
+                return self.store.read(entry.name)
+            except OSError as exc:
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise DataSourceError(
+                        f"shard {entry.name} of {self.store.url} could not be fetched in {FETCH_ATTEMPTS} tries "
+                        f"({exc}); check data.url, data.storage_options and the network") from None
+                time.sleep(FIRST_PAUSE_S * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _make_room(self, size: int) -> None:
+        """Delete least recently used shards until ``size`` more bytes fit (under the lock)."""
+        while self._resident and sum(self._resident.values()) + size > self.cache_bytes:
+            name, _ = self._resident.popitem(last=False)
+            (self.folder / name).unlink(missing_ok=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Loader worker processes get their own threads, lock and record of files.
+        state = self.__dict__.copy()
+        for key in ("_lock", "_pool", "_pending"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
+        self._pending = {}
+
+
+class ShardedTokens:
+    """The token stream of a sharded corpus, indexed by global token offset like a 1-D
+    array: ``tokens[a:b]`` and ``tokens[positions]`` (an integer array of any shape)."""
+
+    def __init__(self, cache: ShardCache, length: int | None = None) -> None:
+        self.cache = cache
+        self.shards = cache.index.shards
+        self.starts = np.cumsum([0] + [s.tokens for s in self.shards])  # first offset of each shard, then the end
+        self.dtype = cache.index.element
+        self.length = int(self.starts[-1]) if length is None else length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def head(self, count: int) -> ShardedTokens:
+        """The first ``count`` tokens, still fetched only when read."""
+        return ShardedTokens(self.cache, min(count, self.length))
+
+    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
+        if isinstance(key, slice):
+            first, stop, step = key.indices(len(self))
+            return self._gather(np.arange(first, stop, step, dtype=np.int64))
+        return self._gather(np.asarray(key, dtype=np.int64))
+
+    def shards_of(self, positions: np.ndarray) -> list[int]:
+        """The shards (their numbers) that hold ``positions``."""
+        return np.unique(np.searchsorted(self.starts, positions.reshape(-1), side="right") - 1).tolist()
+
+    def prefetch(self, positions: np.ndarray) -> None:
+        """Start fetching the shards that hold ``positions`` (token offsets) in the background."""
+        self.cache.prefetch(self.shards[k] for k in self.shards_of(positions))
+
+    def _gather(self, positions: np.ndarray) -> np.ndarray:
+        out = np.empty(positions.shape, dtype=self.dtype)
+        owner = np.searchsorted(self.starts, positions, side="right") - 1
+        numbers = np.unique(owner).tolist()
+        # The shards of this read in parallel, as many as the cache holds at once.
+        self.cache.prefetch(self.shards[k] for k in numbers[: self.cache.capacity])
+        for k in numbers:  # one shard in memory at a time: the cache may hold fewer than a read spans
+            here = owner == k
+            out[here] = self.cache.get(self.shards[k])[positions[here] - self.starts[k]]
+        return out
+
+
+def open_shards(url: str, storage_options: dict[str, Any], cache_dir: Path, cache_bytes: int) -> ShardedTokens:
+    """The corpus at ``url``, cached under ``cache_dir`` in a folder named by its index's digest."""
+    store = ShardStore(url, storage_options)
+    index = store.read_index()
+    parent = cache_dir / "shards" / digest(index.to_json().encode())[:20]
+    parent.mkdir(parents=True, exist_ok=True)
+    # A folder of this process's own: ranks on one machine each keep the budget they account for.
+    folder = Path(tempfile.mkdtemp(dir=parent, prefix="reader-"))
+    return ShardedTokens(ShardCache(store, index, folder, cache_bytes))

@@ -1,0 +1,131 @@
+"""Reading token shards from S3 (moto) through the bounded cache: the sampler's samples,
+none twice and none lost, through slow, failing and corrupted fetches and a small cache."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import meshyard
+from meshyard.config.load import load_config
+from meshyard.data.loader import build_data
+from meshyard.data.prepare import prepare_shards
+from meshyard.data.shard_reader import ShardCache, open_shards
+from meshyard.data.corpus import load_corpus
+from tests.conftest import tiny_config
+from tests.data.test_shards import s3_server, write_text
+
+URL = "s3://corpora/reader"
+SHARD_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A text corpus prepared to S3 in shards of 100 byte tokens: (text patterns, storage options)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    server, endpoint = s3_server()
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+    paths = write_text(folder / "text", documents=12)
+    prepare_shards(paths, URL, shard_tokens=SHARD_TOKENS, storage_options=options, cache_dir=folder / "cache",
+                   report=lambda _: None)
+    yield paths, options
+    server.stop()
+
+
+def data_config(tmp_path, corpus, *overrides):
+    paths, options = corpus
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    return load_config(None, ["--data.source=shards", f"--data.url={URL}", f"--data.cache_dir={tmp_path}",
+                              "--data.seq_len=30", "--data.val_fraction=0",
+                              f'--data.storage_options={{ key = "testing", secret = "testing", client_kwargs = '
+                              f'{{ endpoint_url = "{endpoint}" }} }}', *overrides]).data
+
+
+def text_config(tmp_path, corpus):
+    return load_config(None, ["--data.source=text", f"--data.paths={corpus[0]}", f"--data.cache_dir={tmp_path}",
+                              "--data.seq_len=30", "--data.val_fraction=0"]).data
+
+
+def batches(cfg, steps, rank=0, ranks=1, patch=None):
+    bundle = build_data(cfg, global_batch=8, micro_batch=4 // ranks if ranks > 1 else 4, dp_rank=rank,
+                        dp_size=ranks, seed=7)
+    if patch:
+        patch(bundle.train_loader.dataset.tokens.cache)
+    loader = iter(bundle.train_loader)
+    return [next(loader) for _ in range(steps * 2)], bundle
+
+
+def windows(batch_list):
+    return [tuple(row.tolist()) for inputs, _ in batch_list for row in inputs]
+
+
+def test_two_ranks_read_exactly_the_text_sources_windows_through_a_cache_smaller_than_their_shards(tmp_path, corpus):
+    steps = 6
+    expected, _ = batches(text_config(tmp_path / "text", corpus), steps)
+    small = [f"--data.cache_bytes={2 * SHARD_TOKENS}"]  # two shards, of the 30+ each rank reads
+    fetched: list[str] = []
+
+    def logged(cache: ShardCache) -> None:
+        read = cache.store.read
+        cache.store.read = lambda name: fetched.append(name) or read(name)
+
+    ranks = [batches(data_config(tmp_path / f"rank{r}", corpus, *small), steps, r, 2, logged) for r in range(2)]
+    read = [w for r in range(2) for w in windows(ranks[r][0])]
+    assert sorted(read) == sorted(windows(expected))  # the same samples, none twice, none lost
+    cache = ranks[0][1].train_loader.dataset.tokens.cache
+    assert len(fetched) > len(set(fetched))  # evicted shards were fetched again
+    assert sum(p.stat().st_size for p in cache.folder.iterdir()) <= 2 * SHARD_TOKENS
+
+
+def test_a_shard_that_fails_twice_is_fetched_on_the_third_try_and_slow_fetches_only_wait(tmp_path, corpus):
+    failures: dict[str, int] = {}
+
+    def flaky(cache: ShardCache) -> None:
+        read = cache.store.read
+
+        def slow_and_failing(name: str) -> bytes:
+            time.sleep(0.01)
+            failures[name] = failures.get(name, 0) + 1
+            if name == "shard-00003.u8" and failures[name] <= 2:
+                raise ConnectionError("injected: connection reset")
+            return read(name)
+        cache.store.read = slow_and_failing
+
+    expected, _ = batches(text_config(tmp_path / "text", corpus), 4)
+    got, _ = batches(data_config(tmp_path / "shards", corpus), 4, patch=flaky)
+    assert windows(got) == windows(expected) and failures["shard-00003.u8"] == 3
+
+
+def test_a_corrupted_shard_is_fetched_again_then_refused_in_one_paragraph(tmp_path, corpus):
+    cfg = data_config(tmp_path, corpus)
+    tokens = open_shards(cfg.url, cfg.storage_options, tmp_path, cfg.cache_bytes)
+    calls: list[str] = []
+    read = tokens.cache.store.read
+
+    def corrupted(name: str) -> bytes:
+        calls.append(name)
+        data = read(name)
+        return data if calls.count(name) > 1 or name != "shard-00001.u8" else b"\xff" + data[1:]
+    tokens.cache.store.read = corrupted
+    stream = np.asarray(load_corpus(text_config(tmp_path / "text", corpus)).tokens)
+    assert np.array_equal(tokens[95:105], stream[95:105])  # a window across two shards
+    assert calls.count("shard-00001.u8") == 2  # damaged in transit once: fetched again, then accepted
+
+    tokens.cache.store.read = lambda name: b"\x00" + read(name)[1:]
+    with pytest.raises(ValueError, match=r"shard-00004.u8 .* does not match the digest .* twice .*meshyard data "
+                                         "prepare"):
+        tokens[SHARD_TOKENS * 4 + 50]
+
+
+def test_a_training_run_on_shards_matches_one_on_the_text(tmp_path, corpus):
+    paths, options = corpus
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    common = ["--data.seq_len=30", "--data.val_fraction=0", "--train.steps=3", "--optim.schedule=constant"]
+    text = meshyard.run(tiny_config(tmp_path / "a", "--data.source=text", f"--data.paths={paths}", *common), nproc=1)
+    shards = meshyard.run(tiny_config(
+        tmp_path / "b", "--data.source=shards", f"--data.url={URL}", *common,
+        f'--data.storage_options={{ key = "testing", secret = "testing", client_kwargs = '
+        f'{{ endpoint_url = "{endpoint}" }} }}'), nproc=1)
+    assert [r["loss"] for r in shards.metrics()] == [r["loss"] for r in text.metrics()]

@@ -1,0 +1,93 @@
+"""Preparing a corpus as token shards: the format, idempotent reruns, local folders and S3 (moto)."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from meshyard.cli import main as cli_main
+from meshyard.config.sections import DataConfig
+from meshyard.data.corpus import load_corpus
+from meshyard.data.prepare import prepare_shards
+from meshyard.data.shards import INDEX_NAME, ShardStore
+from meshyard.run_dir import RunDir
+
+S3_OPTIONS = {"key": "testing", "secret": "testing"}
+
+
+def write_text(folder, documents=6):
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(documents):
+        (folder / f"doc{k}.txt").write_text(f"document {k}: " + "the quick brown fox jumps over the lazy dog. " * (k + 3))
+    return [str(folder / "*.txt")]
+
+
+def s3_server():
+    moto_server = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    s3fs.S3FileSystem(**S3_OPTIONS, client_kwargs={"endpoint_url": endpoint}).mkdir("corpora")
+    return server, endpoint
+
+
+@pytest.fixture(scope="module")
+def s3_options():
+    server, endpoint = s3_server()
+    yield {**S3_OPTIONS, "client_kwargs": {"endpoint_url": endpoint}}
+    server.stop()
+
+
+def test_shards_hold_the_token_stream_of_the_text_source(tmp_path):
+    paths = write_text(tmp_path / "text")
+    out = tmp_path / "shards"
+    prepared = prepare_shards(paths, str(out), shard_tokens=100, cache_dir=tmp_path / "cache", report=lambda _: None)
+    index = ShardStore(str(out)).read_index()
+    expected = np.asarray(load_corpus(DataConfig(source="text", paths=paths, cache_dir=str(tmp_path / "cache"))).tokens)
+    stream = np.concatenate([np.fromfile(out / s.name, dtype=index.element) for s in index.shards])
+    assert np.array_equal(stream, expected)
+    assert [s.tokens for s in index.shards[:-1]] == [100] * (len(index.shards) - 1)
+    assert index.total_tokens == len(expected) and index.vocab_size == 256 and index.tokenizer == ""
+    assert prepared.written == len(index.shards) > 3
+
+
+def test_a_rerun_rewrites_nothing_and_a_subword_tokenizer_lies_beside_the_shards(tmp_path):
+    paths = write_text(tmp_path / "text")
+    out = tmp_path / "shards"
+    args = dict(tokenizer="bpe:300", shard_tokens=64, cache_dir=tmp_path / "cache", report=lambda _: None)
+    first = prepare_shards(paths, str(out), **args)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = prepare_shards(paths, str(out), **args)
+    assert again.written == 0 and again.kept == first.written and again.index == first.index
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    assert first.index.tokenizer == RunDir.TOKENIZER and (out / RunDir.TOKENIZER).exists()
+    assert first.index.dtype == "uint16" and first.index.vocab_size == 300
+
+
+def test_prepare_writes_to_s3_from_the_command_line(tmp_path, s3_options, capsys):
+    paths = write_text(tmp_path / "text")
+    endpoint = s3_options["client_kwargs"]["endpoint_url"]
+    command = ["data", "prepare", *paths, "--out", "s3://corpora/small", "--shard-tokens", "128",
+               "--cache-dir", str(tmp_path / "cache"), "--storage-option", "key=testing",
+               "--storage-option", "secret=testing", "--storage-option", f"endpoint_url={endpoint}"]
+    assert cli_main(command) == 0
+    store = ShardStore("s3://corpora/small", s3_options)
+    index = store.read_index()
+    assert all(store.size(s.name) == s.tokens * index.element.itemsize for s in index.shards)
+    assert cli_main(command) == 0
+    assert f"{len(index.shards)} already there" in capsys.readouterr().out
+
+
+def test_a_folder_without_an_index_is_refused_in_one_paragraph(tmp_path, capsys):
+    code = cli_main(["data", "prepare", str(tmp_path / "missing*.txt"), "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "matches no file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holds no index.json.*meshyard data prepare"):
+        ShardStore(str(tmp_path)).read_index()
+    assert INDEX_NAME == "index.json"
