@@ -129,3 +129,24 @@ def test_a_training_run_on_shards_matches_one_on_the_text(tmp_path, corpus):
         f'--data.storage_options={{ key = "testing", secret = "testing", client_kwargs = '
         f'{{ endpoint_url = "{endpoint}" }} }}'), nproc=1)
     assert [r["loss"] for r in shards.metrics()] == [r["loss"] for r in text.metrics()]
+
+
+def test_the_next_steps_shards_are_fetched_while_the_current_one_is_read(tmp_path, corpus):
+    """After each micro-batch the loader hands out, its sampler names the next two steps'
+    batches: their shards download in the background and are there before they are read."""
+    cfg = data_config(tmp_path, corpus, f"--data.cache_bytes={400 * SHARD_TOKENS}")
+    bundle = build_data(cfg, global_batch=8, micro_batch=4, dp_rank=0, dp_size=1, seed=7)
+    dataset, sampler = bundle.train_loader.dataset, bundle.sampler
+    cache = dataset.tokens.cache
+    assert sampler.look_ahead == dataset.fetch_ahead
+    indices = iter(sampler)
+    first = next(indices)  # names the next 4 micro-batches
+    upcoming = indices.upcoming(1)[0]
+    dataset.__getitems__(first)
+    deadline = time.monotonic() + 30
+    while cache._pending and time.monotonic() < deadline:  # the fetches started ahead of need
+        time.sleep(0.01)
+    starts = (dataset.first + np.asarray(upcoming)) * dataset.seq_len
+    needed = dataset.tokens.shards_of(np.concatenate([starts, starts + dataset.seq_len]))
+    assert needed and all(dataset.tokens.shards[k].name in cache._resident for k in needed)
+    assert next(indices) == upcoming  # taking it names the batches after it in turn

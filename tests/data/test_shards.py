@@ -33,7 +33,9 @@ def s3_server():
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    s3fs.S3FileSystem(**S3_OPTIONS, client_kwargs={"endpoint_url": endpoint}).mkdir("corpora")
+    s3 = s3fs.S3FileSystem(**S3_OPTIONS, client_kwargs={"endpoint_url": endpoint})
+    if not s3.exists("corpora"):  # moto keeps its buckets per process, across servers
+        s3.mkdir("corpora")
     return server, endpoint
 
 

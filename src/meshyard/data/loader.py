@@ -37,6 +37,12 @@ class TokenWindows(Dataset):
         window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
         return window[:-1], window[1:]
 
+    def fetch_ahead(self, batches: list[list[int]]) -> None:
+        """Let a source that fetches ahead of need (token shards) start on these batches'
+        windows: their first and last tokens name every shard they touch."""
+        starts = (self.first + np.asarray([i for batch in batches for i in batch], dtype=np.int64)) * self.seq_len
+        self.tokens.prefetch(np.concatenate([starts, starts + self.seq_len]))
+
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole micro-batch in one gather: what the loader fetches instead of one window
         at a time and a collate (``collate_batch`` passes it through). The same tensors as
@@ -139,6 +145,8 @@ def build_data(
     generator = torch.Generator().manual_seed(seed + dp_rank)
     if isinstance(train, TokenWindows):
         extra["collate_fn"] = collate_batch
+        if hasattr(train.tokens, "prefetch") and not cfg.num_workers:  # workers keep caches of their own
+            sampler.look_ahead = train.fetch_ahead
     loader = DataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
                         pin_memory=pins_memory(device), **extra)
     return DataBundle(loader, val, vocab, description, len(train), tokenizer_file)

@@ -18,6 +18,10 @@ the stream stands.
 
 from __future__ import annotations
 
+import copy
+
+from typing import Callable
+
 import numpy as np
 
 
@@ -52,6 +56,10 @@ class GlobalBatchSampler:
         self.start_step = 0  # where a new iterator begins (set by a resume)
         self.micro_per_step = global_batch // (micro_batch * dp_size)
         self.skipped: list[tuple[int, int]] = []  # stream steps [first, end) never trained on, sorted
+        # Told the micro-batches that follow each one taken (a source that fetches ahead of
+        # need, such as token shards on object storage); None: nobody asks.
+        self.look_ahead: Callable[[list[list[int]]], None] | None = None
+        self.look_ahead_batches = 2 * self.micro_per_step  # two steps ahead
 
     def skip(self, stream_steps: list[int]) -> None:
         """Never take these stream steps (each a whole global batch) again."""
@@ -120,6 +128,17 @@ class SamplerIterator:
         return self
 
     def __next__(self) -> list[int]:
+        batch = self._advance()
+        if self.sampler.look_ahead is not None:
+            self.sampler.look_ahead(self.upcoming(self.sampler.look_ahead_batches))
+        return batch
+
+    def upcoming(self, count: int) -> list[list[int]]:
+        """The next ``count`` micro-batches, without taking them."""
+        ahead = copy.copy(self)
+        return [ahead._advance() for _ in range(count)]
+
+    def _advance(self) -> list[int]:
         s = self.sampler
         epoch, step_in_epoch = divmod(self.step, s.steps_per_epoch)
         if epoch != self._epoch:  # one permutation per epoch, computed once

@@ -5,7 +5,10 @@ it), so the sampler and the order of samples are the same as for any other sourc
 function of the seed and the global batch. A rank fetches only the shards its windows
 fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at most
 ``cache_bytes`` of them, evicting the least recently used; ``prefetch`` fetches shards on
-background threads, so that a later read finds them there. A read that must wait for a
+background threads, so that a later read finds them there: the loader's sampler names the
+next two steps' micro-batches after each one it hands out (``GlobalBatchSampler.look_ahead``),
+so their shards download while the current step trains (with ``data.num_workers = 0``;
+loader workers keep caches of their own and fetch when they read). A read that must wait for a
 fetch waits inside the loader, which the step breakdown counts as its data phase.
 
 A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
@@ -161,8 +164,12 @@ class ShardedTokens:
         return np.unique(np.searchsorted(self.starts, positions.reshape(-1), side="right") - 1).tolist()
 
     def prefetch(self, positions: np.ndarray) -> None:
-        """Start fetching the shards that hold ``positions`` (token offsets) in the background."""
-        self.cache.prefetch(self.shards[k] for k in self.shards_of(positions))
+        """Start fetching the shards that hold ``positions`` (token offsets) in the background,
+        the first needed first, as many as half the cache holds: the other half keeps the
+        shards being read from being evicted by what is fetched ahead of them."""
+        order = np.searchsorted(self.starts, positions.reshape(-1), side="right") - 1
+        numbers = list(dict.fromkeys(order.tolist()))  # first need first, each once
+        self.cache.prefetch(self.shards[k] for k in numbers[: max(1, self.cache.capacity // 2)])
 
     def _gather(self, positions: np.ndarray) -> np.ndarray:
         out = np.empty(positions.shape, dtype=self.dtype)
