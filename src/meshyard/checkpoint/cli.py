@@ -15,21 +15,16 @@ from meshyard.checkpoint.locate import LATEST_RUN, LocationError, Runs
 from meshyard.checkpoint.manifest import verify
 from meshyard.checkpoint.tools import CheckpointToolError, export, list_checkpoints, model_state, resolve
 from meshyard.config.sections import RunConfig
+from meshyard.storage_options import options_from_pairs
 
 EXIT_INVALID = 1
 
 
 def _storage_options(pairs: list[str]) -> dict[str, object]:
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CheckpointToolError(f"--storage-option '{pair}' is not KEY=VALUE (e.g. endpoint_url=http://...)")
-        if key == "endpoint_url":  # s3fs takes the endpoint inside client_kwargs
-            options.setdefault("client_kwargs", {})["endpoint_url"] = value  # type: ignore[index]
-        else:
-            options[key] = value
-    return options
+    try:
+        return options_from_pairs(pairs)
+    except ValueError as exc:
+        raise CheckpointToolError(str(exc)) from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

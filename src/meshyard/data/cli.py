@@ -7,20 +7,14 @@ from pathlib import Path
 
 from meshyard.data.cache import DataSourceError
 from meshyard.data.prepare import DEFAULT_SHARD_TOKENS, prepare_shards
+from meshyard.storage_options import options_from_pairs
 
 
 def _storage_options(pairs: list[str]) -> dict[str, object]:
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise DataSourceError(f"--storage-option '{pair}' is not KEY=VALUE; give e.g. "
-                                  "--storage-option endpoint_url=http://127.0.0.1:9000")
-        if key == "endpoint_url":  # s3fs takes the endpoint inside client_kwargs
-            options.setdefault("client_kwargs", {})["endpoint_url"] = value  # type: ignore[index]
-        else:
-            options[key] = value
-    return options
+    try:
+        return options_from_pairs(pairs)
+    except ValueError as exc:
+        raise DataSourceError(str(exc)) from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
