@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 import meshyard
@@ -12,6 +10,7 @@ from meshyard.checkpoint.tools import list_checkpoints, model_state, resolve
 from meshyard.cli import build_parser
 from meshyard.config.load import load_config
 from tests.conftest import tiny_config
+from tests.s3_server import start_s3_server
 
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
@@ -19,13 +18,7 @@ s3fs = pytest.importorskip("s3fs")
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint}).mkdir("meshyard")
+    server, endpoint = start_s3_server("meshyard")
     yield endpoint
     server.stop()
 

@@ -15,7 +15,8 @@ from meshyard.data.prepare import prepare_shards
 from meshyard.data.shard_reader import ShardCache, open_shards
 from meshyard.data.corpus import load_corpus
 from tests.conftest import tiny_config
-from tests.data.test_shards import s3_server, write_text
+from tests.data.test_shards import write_text
+from tests.s3_server import start_s3_server
 
 URL = "s3://corpora/reader"
 SHARD_TOKENS = 100
@@ -25,7 +26,7 @@ SHARD_TOKENS = 100
 def corpus(tmp_path_factory):
     """A text corpus prepared to S3 in shards of 100 byte tokens: (text patterns, storage options)."""
     folder = tmp_path_factory.mktemp("corpus")
-    server, endpoint = s3_server()
+    server, endpoint = start_s3_server("corpora")
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
     paths = write_text(folder / "text", documents=12)
     prepare_shards(paths, URL, shard_tokens=SHARD_TOKENS, storage_options=options, cache_dir=folder / "cache",

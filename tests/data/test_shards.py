@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
@@ -13,9 +11,7 @@ from meshyard.data.corpus import load_corpus
 from meshyard.data.prepare import prepare_shards
 from meshyard.data.shards import INDEX_NAME, ShardStore
 from meshyard.run_dir import RunDir
-
-S3_OPTIONS = {"key": "testing", "secret": "testing"}
-
+from tests.s3_server import S3_OPTIONS, start_s3_server
 
 def write_text(folder, documents=6):
     folder.mkdir(parents=True, exist_ok=True)
@@ -24,24 +20,9 @@ def write_text(folder, documents=6):
     return [str(folder / "*.txt")]
 
 
-def s3_server():
-    moto_server = pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    s3 = s3fs.S3FileSystem(**S3_OPTIONS, client_kwargs={"endpoint_url": endpoint})
-    if not s3.exists("corpora"):  # moto keeps its buckets per process, across servers
-        s3.mkdir("corpora")
-    return server, endpoint
-
-
 @pytest.fixture(scope="module")
 def s3_options():
-    server, endpoint = s3_server()
+    server, endpoint = start_s3_server("corpora")
     yield {**S3_OPTIONS, "client_kwargs": {"endpoint_url": endpoint}}
     server.stop()
 
