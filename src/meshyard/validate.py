@@ -197,6 +197,10 @@ def _gpt_shape_problems(cfg: Config) -> list[str]:
     """A built-in GPT's shape as it will be built (preset values where the config says 0)
     against its heads and the tp/pp degrees: otherwise every worker fails building it."""
     m, p = cfg.model, cfg.parallel
+    if m.moe_experts > 0 and not _is_gpt(m.name):
+        return [f"model.moe_experts = {m.moe_experts} gives meshyard's GPT experts, but model.name = '{m.name}'; "
+                "use a GPT preset or 'gpt' (a model of your own brings its own MoE layers, e.g. "
+                "meshyard.models.moe.MoEFeedForward)"]
     if m.name != "gpt" and m.name not in GPT_PRESETS:  # other models: only what the config itself says
         if m.n_head > 0 and m.d_model and m.d_model % m.n_head:
             return [f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}"]

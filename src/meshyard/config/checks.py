@@ -34,6 +34,8 @@ def field_problems(cfg: Config) -> list[str]:
         *_pipeline_problems(cfg.parallel),
         *_comm_problems(cfg.comm, cfg.parallel),
         *_combination_problems(cfg.parallel, cfg.comm, cfg.data),
+        *_moe_problems(cfg.model),
+        *_expert_parallel_problems(cfg.model, cfg.parallel),
         *_precision_problems(cfg.precision),
         *_checkpoint_problems(cfg.checkpoint),
         *_fault_problems(cfg.fault),
@@ -154,7 +156,7 @@ def _parallel_problems(p: ParallelConfig) -> list[str]:
     """Degrees, bucket and prefetch sizes: ranges only (whether the degrees fit a world
     size is ``ParallelDims``'s question)."""
     at_least_one = [(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be at least 1")
-                    for key in ("tp", "pp", "pp_virtual_stages", "ac_every")]
+                    for key in ("tp", "pp", "ep", "pp_virtual_stages", "ac_every")]
     derived = [(getattr(p, key) >= 0, f"parallel.{key} = {getattr(p, key)} must not be negative (0 derives it)")
                for key in ("dp_replicate", "dp_shard")]
     prefetch = [(getattr(p, key) >= 0,
@@ -228,6 +230,47 @@ def _combination_problems(p: ParallelConfig, c: CommConfig, d: DataConfig) -> li
          "parallel.strategy = 'zero1' does not combine with parallel.tp > 1; use 'fsdp' (FSDP x TP)"),
         (not (p.pp > 1 and p.strategy == "zero1"),
          "parallel.strategy = 'zero1' does not combine with parallel.pp > 1; use 'ddp' or 'fsdp'"),
+    ])
+
+
+def _moe_problems(m: ModelConfig) -> list[str]:
+    """Experts, top-k, capacity and router-loss weights: ranges, and a model that has experts."""
+    if m.moe_experts == 0:
+        return []
+    return _failed([
+        (m.moe_experts > 0, f"model.moe_experts = {m.moe_experts} must not be negative (0 keeps the dense "
+         "feed-forward)"),
+        (1 <= m.moe_top_k <= max(m.moe_experts, 1),
+         f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = {m.moe_experts}"),
+        (m.moe_shared_experts >= 0, f"model.moe_shared_experts = {m.moe_shared_experts} must not be negative"),
+        (m.moe_capacity_factor >= 0,
+         f"model.moe_capacity_factor = {m.moe_capacity_factor} must not be negative (0 is dropless)"),
+        (m.moe_aux_loss_weight >= 0 and m.moe_z_loss_weight >= 0,
+         "model.moe_aux_loss_weight and model.moe_z_loss_weight must not be negative"),
+    ])
+
+
+def _expert_parallel_problems(m: ModelConfig, p: ParallelConfig) -> list[str]:
+    """What expert parallelism needs (experts to split, FSDP), and what MoE does not combine
+    with: tensor parallelism (the experts are not split Megatron-style) and pipelining (the
+    router losses of early stages would not reach the loss in the last one)."""
+    return _failed([
+        (p.ep == 1 or m.moe_experts > 0,
+         f"parallel.ep = {p.ep} splits experts over ranks, but the model has none; set model.moe_experts "
+         "(a multiple of parallel.ep) or parallel.ep = 1"),
+        (p.ep < 1 or m.moe_experts <= 0 or m.moe_experts % p.ep == 0,
+         f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}: each expert-parallel "
+         "rank holds the same number of experts; change one of them"),
+        (p.ep == 1 or p.strategy == "fsdp",
+         f"parallel.ep = {p.ep} needs parallel.strategy = 'fsdp' (got '{p.strategy}'): the expert weights differ "
+         "between the ranks of an expert-parallel group, and only FSDP can sync them over the other ranks apart "
+         "from the dense ones; set parallel.strategy = 'fsdp'"),
+        (not (m.moe_experts > 0 and p.tp > 1),
+         f"model.moe_experts = {m.moe_experts} does not combine with parallel.tp = {p.tp}: the MoE feed-forward "
+         "is not split by tensor parallelism; use parallel.ep (with fsdp) to spread the experts instead"),
+        (not (m.moe_experts > 0 and p.pp > 1),
+         f"model.moe_experts = {m.moe_experts} does not combine with parallel.pp = {p.pp}: the router losses of "
+         "the early stages would not reach the loss computed in the last one; use fsdp with parallel.ep instead"),
     ])
 
 

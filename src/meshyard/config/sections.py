@@ -50,6 +50,21 @@ class ModelConfig:
         False, "Switch off every dropout of the built model, a custom model's own rates included (nn.Dropout "
         "modules, dropout attributes of its modules and of its Hugging Face config); meshyard verify sets it.")
     options: dict = option({}, "Extra keyword arguments passed to a custom builder function.")
+    moe_experts: int = option(
+        0, "Mixture of experts (meshyard's GPT): routed experts in every block's feed-forward, each as wide as the "
+        "dense one; 0 keeps the dense feed-forward.")
+    moe_top_k: int = option(2, "Experts each token is routed to (token-choice top-k; their weights renormalised).")
+    moe_shared_experts: int = option(
+        0, "Experts every token passes through besides its routed ones (one feed-forward this many times wider).")
+    moe_capacity_factor: float = option(
+        0.0, "Tokens an expert takes per micro-batch, as a multiple of an even share (tokens x top_k / experts); "
+        "the tokens beyond it skip the expert (dropped, counted in the records). 0 is dropless: no limit.")
+    moe_aux_loss_weight: float = option(
+        0.01, "Weight of the load-balancing loss (Switch Transformer's: experts x sum of each expert's share of "
+        "tokens times its mean router probability; 1 when balanced) added to the training loss.")
+    moe_z_loss_weight: float = option(
+        0.001, "Weight of the router z-loss (mean squared log-sum-exp of the router logits, ST-MoE's) added to the "
+        "training loss; it keeps the router logits small.")
 
 
 @dataclass
@@ -178,6 +193,10 @@ class ParallelConfig:
         "mapped to 'colwise', 'rowwise', 'sequence_parallel' (runs as 'replicate') or 'replicate'; unnamed modules "
         "are replicated. Empty uses the built-in plans (GPT-2-style and Llama-style modules, found by name).",
     )
+    ep: int = option(
+        1, "Expert-parallel degree (model.moe_experts > 0, strategy 'fsdp'): each group of ep data-parallel ranks "
+        "splits the experts between them and exchanges tokens all-to-all; must divide the sharded data-parallel "
+        "degree and model.moe_experts. Expert weights are sharded by FSDP over the remaining data-parallel ranks.")
     pp: int = option(1, "Pipeline-parallel degree: the model is cut into this many stages, one group of ranks each.")
     microbatches: int = option(
         0, "pp: pipeline micro-batches per train.micro_batch (must divide it); 0 uses the number of stages."

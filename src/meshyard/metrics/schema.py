@@ -143,6 +143,21 @@ FIELDS: dict[str, Field] = {
                               "train.pipeline_step"),
     "pp_bubble_theory": Field(NUMBER, False, "fraction", "the schedule's theoretical bubble",
                               "train.pipeline_step"),
+    # mixture of experts (a model with MoE layers, e.g. model.moe_experts > 0)
+    "moe_aux_loss": Field(NUMBER, False, "1", "load-balancing loss of the router (Switch Transformer's; 1 when the "
+                          "load is even), unweighted, mean over layers and micro-batches; its weighted value is "
+                          "added to the training loss, not to loss", "train.expert_load", exported=True),
+    "moe_z_loss": Field(NUMBER, False, "1", "router z-loss (mean squared log-sum-exp of the router logits), "
+                        "unweighted, mean over layers and micro-batches", "train.expert_load", exported=True),
+    "moe_tokens_per_expert": Field((list,), False, "tokens", "token assignments each expert received on rank 0 "
+                                   "in the step, before the capacity limit: one list per MoE layer",
+                                   "train.expert_load", items=(list,)),
+    "moe_dropped_tokens": Field(COUNT, False, "tokens", "token assignments the capacity limit turned away on "
+                                "rank 0 in the step, all layers (0 when dropless)", "train.expert_load",
+                                exported=True),
+    "moe_imbalance": Field(NUMBER, False, "1", "the busiest expert's tokens over the mean expert's, in the "
+                           "layer where that ratio is highest, on rank 0 (1 is even; the experts / top_k when every "
+                           "token picks the same ones)", "train.expert_load", exported=True),
     # rare events and windows
     "nonfinite": Field((list,), False, "", "where a NaN/inf loss or gradient norm was seen: {rank, what, value} "
                        "entries (on such steps)", "train.trainer", items=(dict,)),

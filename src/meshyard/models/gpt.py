@@ -17,6 +17,7 @@ from torch import nn
 
 from meshyard.models.gpt_decoding import GPTDecoder
 from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex
+from meshyard.models.moe import GroupedExperts, MoEFeedForward, MoEShape
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class GPTShape:
     dropout: float = 0.0
     tie_embeddings: bool = True
     bias: bool = True
+    moe: MoEShape | None = None
+    """Mixture of experts in place of every block's dense feed-forward (None: dense)."""
 
     @property
     def head_dim(self) -> int:
@@ -98,7 +101,8 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(shape.d_model, bias=shape.bias)
         self.attn = CausalSelfAttention(shape)
         self.ln_2 = nn.LayerNorm(shape.d_model, bias=shape.bias)
-        self.mlp = FeedForward(shape)
+        self.mlp: nn.Module = (FeedForward(shape) if shape.moe is None
+                               else MoEFeedForward(shape.moe, shape.d_model, shape.mlp_ratio * shape.d_model))
 
     def forward(self, x: torch.Tensor, cache: tuple[CacheStep, int] | None = None) -> torch.Tensor:
         # Without a cache the attention gets its one positional input, as tensor-parallel
@@ -142,6 +146,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters(std=0.02, residual_std=residual_std)
 
     def init_kv_cache(self, batch_slots: int, max_length: int | None = None, dtype: torch.dtype | None = None,
                       device: torch.device | str | None = None) -> KVCache:

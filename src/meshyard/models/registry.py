@@ -9,6 +9,7 @@ from meshyard.models.dropout import switch_off_dropout
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
 from meshyard.models.hf_auto import HF_MODEL, build_hf_model
 from meshyard.models.mlp import MLP
+from meshyard.models.moe import MoEShape
 from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
 
 MODEL_NAMES = (*GPT_PRESETS, "gpt", "mlp", HF_MODEL)
@@ -34,7 +35,17 @@ def gpt_shape(cfg: ModelConfig, vocab_size: int, seq_len: int) -> GPTShape:
         d_model=cfg.d_model or preset["d_model"],
         dropout=cfg.dropout,
         tie_embeddings=cfg.tie_embeddings,
+        moe=moe_shape(cfg),
     )
+
+
+def moe_shape(cfg: ModelConfig) -> MoEShape | None:
+    """The experts ``model.moe_*`` configure, or None for a dense model."""
+    if cfg.moe_experts <= 0:
+        return None
+    return MoEShape(experts=cfg.moe_experts, top_k=cfg.moe_top_k, shared_experts=cfg.moe_shared_experts,
+                    capacity_factor=cfg.moe_capacity_factor, aux_loss_weight=cfg.moe_aux_loss_weight,
+                    z_loss_weight=cfg.moe_z_loss_weight)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int) -> nn.Module:

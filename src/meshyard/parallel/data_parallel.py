@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from meshyard.parallel.expert_parallel import expert_modules
 from meshyard.parallel.units import describe_units, find_blocks
 
 
@@ -49,6 +50,8 @@ def apply_fsdp(
     unit_names: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+    expert_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each block is its own unit, then the root holds the rest.
 
@@ -61,7 +64,11 @@ def apply_fsdp(
     class (``meshyard.parallel.units``); a model without any is one unit, the root.
     ``log`` receives one line saying which units were made. ``cpu_offload`` keeps the
     shards (and so gradients and optimizer states) in host memory, pinned where the mesh
-    is on a GPU (pinning needs one).
+    is on a GPU (pinning needs one). ``expert_mesh``: under expert parallelism, the mesh
+    the expert weights (split over the ``ep`` ranks already) are sharded over, each MoE
+    layer's experts a unit of their own whose reduced gradient is divided by
+    ``expert_divide_factor`` (the whole data-parallel degree: every rank's tokens reached
+    them through the all-to-all).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = (CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload
@@ -69,6 +76,11 @@ def apply_fsdp(
     blocks = find_blocks(model, unit_names)
     if log is not None:
         log(describe_units(model, blocks))
+    for experts in expert_modules(model) if expert_mesh is not None else ():
+        fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
+        if expert_divide_factor is not None:
+            experts.set_gradient_divide_factor(expert_divide_factor)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed at once by backward, so freeing them
         # after forward would only cost an extra all-gather.

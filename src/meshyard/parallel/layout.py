@@ -30,7 +30,8 @@ class Layout:
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> "Layout":
         """Degrees left at 0 in ``cfg`` filled from the strategy and the world size
         (``ParallelDims.resolve``; raises ``ParallelDimsError`` when they do not fit)."""
-        dims = ParallelDims.resolve(cfg.strategy, world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
+        dims = ParallelDims.resolve(cfg.strategy, world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp,
+                                    cfg.ep)
         return cls(cfg, dims)
 
     # --- how data parallelism is carried out -------------------------------------------------
@@ -143,5 +144,5 @@ class Layout:
         """The layout as recorded in run.json (manifests keep the data-parallel part)."""
         dims = self.dims
         return {"strategy": self.cfg.strategy, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                "tp": dims.tp, "pp": dims.pp, "activation_checkpointing": self.cfg.ac,
+                "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "activation_checkpointing": self.cfg.ac,
                 "cpu_offload": self.effective_cfg.cpu_offload}

@@ -14,6 +14,7 @@ from meshyard.config.sections import CommConfig
 from meshyard.parallel.activation_checkpoint import apply_ac
 from meshyard.parallel.compile import Compilation, apply_compile
 from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
+from meshyard.parallel.expert_parallel import apply_ep
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.pipeline import split_model
 from meshyard.parallel.tensor_parallel import apply_tp
@@ -52,7 +53,8 @@ def parallelize(
     """Apply ``layout`` to ``model`` (already on its device, or on the meta device).
 
     Order: pipeline split (each rank keeps its stages; every stage then goes through the
-    rest as a model of its own, with ``layout.stage_layout()``), tensor parallel
+    rest as a model of its own, with ``layout.stage_layout()``), expert parallel (expert
+    weights become DTensors on the ``ep`` mesh, tokens go all-to-all), tensor parallel
     (parameters become DTensors on the ``tp`` mesh), activation checkpointing (wraps
     block forwards, so it sees the TP modules), compilation of each block when
     ``compilation`` is given (it records what it compiled), then data parallelism, outermost,
@@ -87,6 +89,8 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
     """TP, activation checkpointing, then FSDP or DDP, on a model without pipeline stages;
     ``units`` are the classes of the blocks checkpointed and sharded one by one."""
     cfg, dims = layout.effective_cfg, layout.dims
+    if dims.ep > 1:
+        model = apply_ep(model, mesh["ep"])
     if dims.tp > 1:
         model = apply_tp(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=layout.loss_parallel,
                          plan=cfg.tp_plan, log=log)
@@ -100,8 +104,18 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
         reduce_dtype = torch.float32 if (low_precision and reduce_fp32) else None
         return apply_fsdp(model, dp_mesh, cfg.reshard_after_forward, low_precision, reduce_dtype,
                           forward_prefetch=cfg.forward_prefetch, backward_prefetch=cfg.backward_prefetch,
-                          unit_names=units, log=log, cpu_offload=cfg.cpu_offload)
+                          unit_names=units, log=log, cpu_offload=cfg.cpu_offload,
+                          **_expert_sharding(layout, mesh))
     if layout.data_parallel == "ddp":
         return apply_ddp(model, mesh["dp_replicate"], cfg.bucket_mb,
                          gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph)
     return model
+
+
+def _expert_sharding(layout: Layout, mesh: DeviceMesh) -> dict[str, object]:
+    """FSDP's arguments for expert weights under expert parallelism ({} without it): their
+    own mesh, and the whole data-parallel degree to divide their gradients by."""
+    dims = layout.dims
+    if dims.ep == 1:
+        return {}
+    return {"expert_mesh": dims.expert_dp_mesh(mesh), "expert_divide_factor": float(dims.dp)}

@@ -4,6 +4,12 @@ Mesh dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``
 four always exist (size 1 when unused) so code can slice any of them by name, and
 ``dp`` is the flattened ``dp_replicate x dp_shard`` dimension used by data loading and
 loss averaging.
+
+Expert parallelism takes its ranks from ``dp_shard``: with ``ep`` > 1 the mesh is built
+with ``dp_shard`` split in two, ``dp_shard_mod_ep`` (outer) x ``ep`` (inner, neighbouring
+ranks, where all-to-all is cheapest), and ``dp_shard`` is their flattened view, so every
+dimension above still exists. Expert weights are split over ``ep`` and sharded by FSDP
+over ``dp_shard_mod_ep`` (``expert_dp_mesh``); dense weights over the whole ``dp_shard``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+"""The mesh's dimensions under expert parallelism; ``dp_shard`` is then a flattened view."""
 
 
 class ParallelDimsError(ValueError):
@@ -30,12 +38,18 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 problems.append(f"parallel.{name} = {getattr(self, name)} must be at least 1")
+        if not problems and self.dp_shard % self.ep:
+            problems.append(
+                f"parallel.ep = {self.ep} does not divide the sharded data-parallel degree dp_shard = "
+                f"{self.dp_shard}: the experts are split over ep of the data-parallel ranks and sharded over "
+                "the rest; use a divisor of dp_shard for ep, or change the number of processes (--nproc)")
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp
         if not problems and product != self.world_size:
             problems.append(
@@ -48,7 +62,8 @@ class ParallelDims:
 
     @classmethod
     def resolve(
-        cls, strategy: str, world_size: int, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 1, pp: int = 1
+        cls, strategy: str, world_size: int, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 1, pp: int = 1,
+        ep: int = 1,
     ) -> "ParallelDims":
         """Fill the degrees left at 0 from the strategy and the world size, then validate.
 
@@ -81,7 +96,7 @@ class ParallelDims:
                      "choose 'ddp', 'fsdp' or 'zero1'"]
                 )
             dp_replicate = dp_shard = 1
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size)
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size, ep=ep)
 
     @property
     def dp(self) -> int:
@@ -95,6 +110,16 @@ class ParallelDims:
         reuse it; the others are split from it), so they keep its device-to-backend map:
         CPU tensors go through gloo on every mesh group, as on the default one.
         """
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        if self.ep == 1:
+            shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        else:
+            shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def expert_dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards expert weights over: the data-parallel ranks that hold the
+        same experts (``dp_shard_mod_ep``, with ``dp_replicate`` in front under HSDP)."""
+        return mesh["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1 else mesh["dp_shard_mod_ep"]

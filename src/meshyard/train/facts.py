@@ -69,6 +69,8 @@ class RunFacts:
     resumed_from: Resumed | None = None
     price: Price | None = None
     """What a device-hour costs (``metrics.cost``); None: the run shows no cost."""
+    ep: int = 1
+    """Expert-parallel degree (within dp_shard)."""
 
     @property
     def dp_size(self) -> int:

@@ -21,7 +21,8 @@ from meshyard.fault.failure import first_line
 from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.models.outputs import logits_of
 from meshyard.parallel.compile import Compilation, compile_errors, compiled_graphs
-from meshyard.parallel.data_parallel import set_gradient_sync
+from meshyard.parallel.data_parallel import set_gradient_sync, unwrap
+from meshyard.train.expert_load import ExpertLoad, StepLoad
 from meshyard.train.loss import next_token_loss
 from meshyard.train.precision import Precision
 
@@ -71,13 +72,17 @@ class RunnerFigures:
     """A runner's figures of one step: read when the step has completed (on a GPU its
     timings are CUDA events until then), so that taking them costs the issuing host no wait."""
 
-    def __init__(self, stats: dict[str, float] | None = None, split: dict[str, float] | None = None) -> None:
-        self._stats, self._split = stats or {}, split or {}
+    def __init__(self, stats: dict[str, float] | None = None, split: dict[str, float] | None = None,
+                 load: StepLoad | None = None) -> None:
+        self._stats, self._split, self._load = stats or {}, split or {}, load
 
     def read(self) -> tuple[dict[str, float], dict[str, float]]:
-        """(figures for the step's record, e.g. a pipeline stage's idle share; seconds per
-        breakdown phase for runners whose forward and backward cannot be timed apart, as a
-        schedule interleaves them, or {} when the runner timed its phases itself)."""
+        """(figures for the step's record, e.g. a pipeline stage's idle share or a MoE
+        model's expert load; seconds per breakdown phase for runners whose forward and
+        backward cannot be timed apart, as a schedule interleaves them, or {} when the
+        runner timed its phases itself)."""
+        if self._load is not None:
+            self._stats, self._load = {**self._stats, **self._load.figures()}, None
         return self._stats, self._split
 
 
@@ -107,6 +112,8 @@ class MicroBatchStep:
             self._forward_loss = self.compilation.compile_function(self._eager_forward_loss, "the model and its loss")
         self._report = report or (lambda message: None)
         self._compile_checked = not self.compilation.enabled
+        # A mixture-of-experts model trains on its router losses too (none for a dense one).
+        self.expert_load = ExpertLoad(unwrap(model))
 
     def _eager_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return next_token_loss(logits_of(self.model(inputs)), targets)
@@ -144,8 +151,9 @@ class MicroBatchStep:
             set_gradient_sync(self.model, index == accum - 1)
             with self.timer.phase("forward"), self.precision.autocast(), self.loss_context():
                 loss = self._forward_loss(inputs, targets)
+                training_loss = self.expert_load.training_loss(loss)
             with self.timer.backward(), self.loss_context():
-                self.precision.scaler.scale(loss / accum).backward()
+                self.precision.scaler.scale(training_loss / accum).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / accum
 
@@ -156,4 +164,5 @@ class MicroBatchStep:
 
     def step_figures(self) -> RunnerFigures:
         # Forward and backward were timed as they ran: no split of their own.
-        return RunnerFigures({"compiled_graphs": compiled_graphs()} if self.compilation.enabled else {})
+        return RunnerFigures({"compiled_graphs": compiled_graphs()} if self.compilation.enabled else {},
+                             load=self.expert_load.take_step() if self.expert_load.active else None)

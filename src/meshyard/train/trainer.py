@@ -76,17 +76,32 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
     ``stage_group``, leaving out ``skip`` (a tied weight's second copy, counted once).
     """
     skipped = {id(p) for p in skip or ()}
-    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skipped]
-    total = torch.nn.utils.get_total_norm(grads)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # DTensor math does not mix meshes, and under expert parallelism the expert weights
+    # live on another mesh than the dense ones: norms are reduced per mesh, then combined.
+    by_mesh = _by_mesh([p for p in parameters if p.grad is not None])
+    norms = []
+    for group in by_mesh:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if id(p) not in skipped])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if stage_group is not None:
         squared = total.detach().double() ** 2
         dist.all_reduce(squared, group=stage_group)
         total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        for group in by_mesh:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``parameters`` grouped by the mesh of their gradients (plain tensors as one group);
+    one group (possibly empty) when they share one."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in parameters:
+        grad = param.grad
+        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(param)
+    return list(groups.values()) or [[]]
 
 
 class NonFiniteError(RuntimeError):
