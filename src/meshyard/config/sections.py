@@ -53,7 +53,8 @@ class ModelConfig:
     moe_experts: int = option(
         0, "Mixture of experts (meshyard's GPT): routed experts in every block's feed-forward, each as wide as the "
         "dense one; 0 keeps the dense feed-forward.")
-    moe_top_k: int = option(2, "Experts each token is routed to (token-choice top-k; their weights renormalised).")
+    moe_top_k: int = option(2, "Experts each token is routed to (token-choice top-k; with more than one, their weights are "
+                           "renormalised to sum to 1; top-1 keeps the router probability, its only gradient).")
     moe_shared_experts: int = option(
         0, "Experts every token passes through besides its routed ones (one feed-forward this many times wider).")
     moe_capacity_factor: float = option(

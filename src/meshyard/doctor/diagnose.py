@@ -8,6 +8,8 @@ they carry start-up costs (allocator warm-up, first collectives, compilation).
 Verdicts, checked in this order because an earlier cause distorts the later figures
 (a straggler inflates everyone's communication wait, a starved loader makes compute look
 idle): straggler, data-bound, communication-bound, memory-bound, compute-bound, healthy.
+A mixture-of-experts run is also judged on its expert load ("expert-imbalance"): an
+expert taking far more tokens than the mean, or a capacity limit dropping many.
 Beside the verdicts, the waste of the steady steps (``metrics.waste``: idle GPU, data
 stalls, exposed communication) as shares of the paid time.
 """
@@ -20,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from meshyard.config.load import load_config
-from meshyard.config.sections import (CommConfig, Config, DataConfig, MetricsConfig, ParallelConfig, PrecisionConfig,
-                                      TrainConfig)
+from meshyard.config.sections import (CommConfig, Config, DataConfig, MetricsConfig, ModelConfig, ParallelConfig,
+                                      PrecisionConfig, TrainConfig)
 from meshyard.errors import BadInput
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
@@ -31,6 +33,10 @@ from meshyard.runtime.hosts import host_of, rank_on_host
 
 MEMORY_BOUND_FRACTION = 0.90
 LOW_MFU = 0.30
+IMBALANCED_LOAD = 1.5
+"""A MoE layer whose busiest expert takes this many times the mean expert's tokens is imbalanced."""
+DROPPED_SHARE = 0.05
+"""Share of token assignments dropped by the capacity limit above which it is named."""
 
 
 class DoctorError(BadInput, ValueError):
@@ -141,7 +147,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     ev = gather_evidence(facts, records)
     findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data, config.metrics),
                             _comm(ev, config.train, config.parallel, config.comm, config.metrics, facts),
-                            _memory(ev, config.train), _compute(ev, config.train, config.precision)) if f]
+                            _memory(ev, config.train), _compute(ev, config.train, config.precision),
+                            _expert_load(steady_records(records), config.model, config.parallel)) if f]
     if not findings:
         findings = [Finding("healthy", [
             f"compute (forward + backward + optimizer) takes {_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} "
@@ -218,6 +225,40 @@ def _memory(ev: RunEvidence, train: TrainConfig) -> Finding | None:
         f"halve train.micro_batch (now {train.micro_batch or 'derived'}) and double train.grad_accum: same "
         "global batch, less activation memory",
     ])
+
+
+def _expert_load(steady: list[dict[str, Any]], model: ModelConfig, parallel: ParallelConfig) -> Finding | None:
+    """A MoE run whose router sends one expert far more than its share, or whose capacity
+    limit drops many tokens (figures of rank 0, over the steady steps)."""
+    loads = [r for r in steady if "moe_imbalance" in r]
+    if not loads:
+        return None
+    imbalance = statistics.median(r["moe_imbalance"] for r in loads)
+    routed = sum(sum(map(sum, r.get("moe_tokens_per_expert", []))) for r in loads)
+    dropped = sum(r.get("moe_dropped_tokens", 0) for r in loads)
+    dropped_share = dropped / routed if routed else 0.0
+    if imbalance < IMBALANCED_LOAD and dropped_share < DROPPED_SHARE:
+        return None
+    evidence = [f"the busiest expert takes {imbalance:.2f}x the mean expert's tokens (median over {len(loads)} "
+                f"steps, worst layer; threshold {IMBALANCED_LOAD}x)"]
+    last = loads[-1].get("moe_tokens_per_expert", [])
+    if last:
+        layer = max(range(len(last)), key=lambda i: max(last[i]) / max(sum(last[i]) / len(last[i]), 1e-12))
+        busiest = max(range(len(last[layer])), key=lambda e: last[layer][e])
+        evidence.append(f"at the last step, layer {layer}'s experts took {last[layer]} tokens (expert {busiest} "
+                        "the most)")
+    if dropped:
+        evidence.append(f"the capacity limit dropped {_pct(dropped_share)} of the token assignments "
+                        f"(model.moe_capacity_factor = {model.moe_capacity_factor})")
+    advice = [f"weigh the load-balancing loss more: model.moe_aux_loss_weight (now {model.moe_aux_loss_weight}; "
+              "0.01 is usual, up to 0.1)"]
+    if dropped:
+        advice.append(f"raise model.moe_capacity_factor (now {model.moe_capacity_factor}) or set it to 0 "
+                      "(dropless): dropped tokens skip their experts")
+    if parallel.ep > 1:
+        advice.append(f"under expert parallelism (parallel.ep = {parallel.ep}) the rank holding the busiest expert "
+                      "sets the pace of every all-to-all: the others wait for it")
+    return Finding("expert-imbalance", evidence, advice)
 
 
 def _compute(ev: RunEvidence, train: TrainConfig, precision: PrecisionConfig) -> Finding | None:

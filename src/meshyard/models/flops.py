@@ -12,6 +12,9 @@ Conventions:
   ``2 x (weights used in matmuls) + 4 x n_layer x seq x d_model`` (the attention score
   and value products, counted in full although a causal mask could skip half). Backward
   costs twice the forward. The output head counts as a matmul even when tied.
+- Mixture of experts: FLOPs count the ACTIVE weights, those a token passes through (the
+  router, its ``top_k`` routed experts and the shared ones); parameter counts, and so
+  memory, count every expert.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class GPTCounts:
     """Elements of the largest single parameter."""
     n_params: int
     """All parameters; equals ``sum(p.numel() for p in GPT(shape).parameters())``."""
+    expert_params_per_layer: int = 0
+    """Routed experts' weights of one block (MoE; expert parallelism splits them)."""
+    active_params: int = 0
+    """Parameters one token passes through: all of a dense model's, a MoE model's without
+    the routed experts it is not sent to."""
 
 
 def gpt_counts(shape: GPTShape) -> GPTCounts:
@@ -67,18 +75,30 @@ def gpt_counts(shape: GPTShape) -> GPTCounts:
     norm = d * (1 + bias)  # LayerNorm weight (+ bias)
     attn_matmul = d * 3 * d + d * d
     mlp_matmul = d * hidden + hidden * d
-    layer = 2 * norm + attn_matmul + bias * (3 * d + d) + mlp_matmul + bias * (hidden + d)
+    mlp_params, active_mlp_matmul, expert_params, largest = mlp_matmul + bias * (hidden + d), mlp_matmul, 0, d * hidden
+    if shape.moe is not None:  # router, batched experts (no biases), shared experts
+        moe = shape.moe
+        router, shared = d * moe.experts, moe.shared_experts * mlp_matmul
+        expert_params = moe.experts * mlp_matmul
+        mlp_params = router + expert_params + shared
+        active_mlp_matmul = router + moe.top_k * mlp_matmul + shared
+        largest = max(moe.experts * d * hidden, moe.shared_experts * d * hidden)
+    layer = 2 * norm + attn_matmul + bias * (3 * d + d) + mlp_params
     embedding = v * d + ctx * d
     head = norm + (0 if shape.tie_embeddings else v * d)
+    n_params = shape.n_layer * layer + embedding + head
+    inactive = expert_params - (shape.moe.top_k * mlp_matmul if shape.moe is not None else 0)
     return GPTCounts(
         layer_params=layer,
         embedding_params=embedding,
         head_params=head,
-        matmul_params_per_layer=attn_matmul + mlp_matmul,
+        matmul_params_per_layer=attn_matmul + active_mlp_matmul,
         head_matmul_params=v * d,
         mlp_hidden=hidden,
-        largest_param=max(v * d, ctx * d, 3 * d * d, d * hidden),
-        n_params=shape.n_layer * layer + embedding + head,
+        largest_param=max(v * d, ctx * d, 3 * d * d, largest),
+        n_params=n_params,
+        expert_params_per_layer=expert_params,
+        active_params=n_params - shape.n_layer * inactive,
     )
 
 

@@ -2,7 +2,8 @@
 
 Each token's hidden state goes to the ``top_k`` experts whose router probability is
 highest, weighted by those probabilities (renormalised to sum to 1 over the chosen
-experts); optional shared experts take every token. The routed experts are stored as
+experts when there are several; a single one keeps its probability, through which the
+router learns); optional shared experts take every token. The routed experts are stored as
 batched weights, one parameter per projection with the experts along dimension 0
 (``experts.w_in`` is [experts, d_model, hidden]): expert parallelism shards that
 dimension over ranks (``meshyard.parallel.expert_parallel``) and checkpoint keys stay the
