@@ -81,9 +81,10 @@ def apply_fsdp(
                     offload_policy=offload)
         if expert_divide_factor is not None:
             experts.set_gradient_divide_factor(expert_divide_factor)
-            # A sum, then a division: a division inside the reduction (PREMUL_SUM) is
-            # NCCL's only, and it saves no more than one pass over the experts' gradients.
-            experts.set_force_sum_reduction_for_comms(True)
+            # Reduce-scattered gradients: a sum, then a division, since a division inside
+            # the reduction (PREMUL_SUM) is NCCL's only. Not on a shard dimension of one
+            # rank: FSDP divides while copying the gradient there, and would again after.
+            experts.set_force_sum_reduction_for_comms(expert_mesh.size(-1) > 1)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed at once by backward, so freeing them
         # after forward would only cost an extra all-gather.
