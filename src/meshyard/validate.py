@@ -281,7 +281,10 @@ def _model_problems(cfg: Config, validated: ValidatedLayout) -> list[str]:
               f"builder cannot run on the meta device ({describe(exc)}); the workers check it as they build it",
               file=sys.stderr, flush=True)
         return []
-    tokens = example_micro_batch(validated.batch.micro_batch, layout.microbatches, cfg.data.seq_len)
+    # One sample per pipeline micro-batch is all the inspection traces: a micro-batch of the
+    # configured size may be too large to allocate here (it is checked against the data later).
+    tokens = example_micro_batch(min(validated.batch.micro_batch, layout.microbatches), layout.microbatches,
+                                 cfg.data.seq_len)
     with _torch_quiet():
         return model_layout_problems(model, cfg.parallel, layout.dims, tokens, shape_checked=_is_gpt(m.name))
 

@@ -114,3 +114,30 @@ def test_doctor_names_each_waste_with_its_share_of_paid_time(tmp_path, capsys):
 def test_a_cpu_run_has_no_idle_gpu_figure(tmp_path):
     kinds = [w.kind for w in diagnose(fake_run(tmp_path / "run")).waste]
     assert kinds == ["data stall", "exposed comm"]
+
+
+def _with_expert_load(run, per_layer: list[list[int]], dropped: int = 0):
+    """``run``'s records with a MoE model's expert load added to every step."""
+    path = run / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    imbalance = max(max(c) / (sum(c) / len(c)) for c in per_layer)
+    path.write_text("".join(json.dumps({**r, "moe_tokens_per_expert": per_layer, "moe_dropped_tokens": dropped,
+                                        "moe_imbalance": imbalance, "moe_aux_loss": 1.1, "moe_z_loss": 2.0}) + "\n"
+                            for r in records))
+    return run
+
+
+def test_an_imbalanced_expert_load_is_named(tmp_path):
+    diagnosis = diagnose(_with_expert_load(fake_run(tmp_path), [[10, 10, 10, 10], [40, 4, 4, 4]], dropped=20))
+    assert diagnosis.verdict == "expert-imbalance"
+    finding = diagnosis.findings[0]
+    assert "3.08x the mean" in finding.evidence[0]
+    assert "layer 1's experts took [40, 4, 4, 4] tokens (expert 0 the most)" in finding.evidence[1]
+    assert "dropped 22% of the token assignments" in finding.evidence[2]
+    assert any("model.moe_aux_loss_weight" in line for line in finding.advice)
+    assert any("model.moe_capacity_factor" in line for line in finding.advice)
+
+
+def test_a_balanced_expert_load_is_not_named(tmp_path):
+    diagnosis = diagnose(_with_expert_load(fake_run(tmp_path), [[10, 11, 9, 10], [12, 8, 10, 10]]))
+    assert diagnosis.verdict == "healthy"

@@ -158,6 +158,7 @@ def _written_keys(path: Path, names: set[str]) -> set[str]:
     ("metrics/timing.py", {"figures"}, {"allgather_wait_s"}),
     ("metrics/memory.py", {"figures", "return"}, {"rss_bytes", "peak_rss_bytes", "gpu_peak_reserved_bytes"}),
     ("train/pipeline_step.py", {"stats"}, set(keys_from("train.pipeline_step"))),
+    ("train/expert_load.py", {"return"}, set(keys_from("train.expert_load"))),
 ])
 def test_producers_write_schema_keys(module, names, at_least):
     written = _written_keys(SRC / module, names)
