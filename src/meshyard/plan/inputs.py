@@ -130,6 +130,9 @@ def describe_from_args(args: argparse.Namespace, defaults: _Defaults, seq_len: i
         n_layer=sizes["n_layer"] or cfg.n_layer, n_head=sizes["n_head"] or cfg.n_head,
         d_model=sizes["d_model"] or cfg.d_model, dropout=cfg.dropout,
         tie_embeddings=cfg.tie_embeddings and not args.untied_embeddings, options=dict(cfg.options),
+        # Experts as configured: compute counts the active ones, memory all of them.
+        moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_shared_experts=cfg.moe_shared_experts,
+        moe_capacity_factor=cfg.moe_capacity_factor,
     )
     preset = GPT_PRESETS.get(name, {})
     d_model, n_head = model.d_model or preset.get("d_model", 0), model.n_head or preset.get("n_head", 0)
