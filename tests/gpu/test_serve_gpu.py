@@ -45,3 +45,27 @@ def test_a_cuda_server_answers_completions(tmp_path, trained_run):
                            json={"model": "tiny", "prompt": "def add(", "max_tokens": 8, "temperature": 0})
         assert reply.status_code == 200, server.explain(reply)
         assert reply.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoding_steps_on_cuda_over_rows_of_different_lengths_match_the_full_forward(dtype):
+    # Rows of different lengths attend through a mask; over 40 steps its span crosses every
+    # alignment, which CUDA's memory-efficient attention needs from the mask's start.
+    from meshyard.models.gpt import GPT, GPTShape
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(GPTShape(vocab_size=64, context_length=96, n_layer=2, n_head=2, d_model=64)).to(dtype).eval()
+    cache = model.init_kv_cache(4, 96)
+    sequences = [torch.randint(0, 64, (length,)).tolist() for length in (3, 11, 5, 8)]
+    with torch.inference_mode():
+        for slot, sequence in enumerate(sequences):
+            model(torch.tensor([sequence[:-1]], device="cuda"), cache=cache, slots=[slot], positions=[0])
+        for _ in range(40):
+            tokens = torch.tensor([[sequence[-1]] for sequence in sequences], device="cuda")
+            logits = model(tokens, cache=cache, slots=[0, 1, 2, 3])[:, -1].float()
+            for row, sequence in enumerate(sequences):
+                full = model(torch.tensor([sequence], device="cuda"))[0, -1].float()
+                error = (logits[row] - full).abs().max() / full.abs().max()
+                assert error < (3e-2 if dtype == torch.bfloat16 else 1e-4), error
+                sequence.append(int(torch.argmax(full)))
