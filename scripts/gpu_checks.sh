@@ -4,7 +4,7 @@
 # decoding step of the server against its matrix work, the async checkpoint's stall.
 # Figures go to stdout and to $OUT (default /tmp/gpu-checks); decode_step's profile (operator
 # tables in decode_step.txt, Chrome traces) too.
-#   PYTHONPATH=src bash scripts/gpu_checks.sh
+#   bash scripts/gpu_checks.sh
 # tomli-w is the one dependency such machines tend to lack: put its wheel in wheels/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
