@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshyard.models.decode_graph import DecodeGraph
 from meshyard.models.gpt_decoding import GPTDecoder
 from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex
 
@@ -178,6 +179,9 @@ class GPT(nn.Module):
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, slots: SlotIndex | None,
                         positions: SlotIndex | None) -> torch.Tensor:
         """The forward of new tokens against a KV cache (one step of incremental decoding)."""
+        if (cache.every_slot_steps and self._decoder is not None and tokens.shape[1] == 1 and positions is None
+                and not self.training):
+            return self._decode_every_slot(tokens, cache, slots)
         step = cache.begin(slots, positions, tokens.shape[1])
         if self._decoder is not None and tokens.shape[1] == 1 and not step.fresh and not self.training:
             return self._decoder(tokens, step)  # the same step without module calls
@@ -185,3 +189,14 @@ class GPT(nn.Module):
         for index, block in enumerate(self.blocks):
             x = block(x, (step, index))
         return self.lm_head(self.ln_f(x))
+
+    def _decode_every_slot(self, tokens: torch.Tensor, cache: KVCache, slots: SlotIndex | None) -> torch.Tensor:
+        """A decoding step computed over every slot of ``cache`` in fixed shapes, replayed from a
+        CUDA graph on a GPU (see ``KVCache.every_slot_steps``); logits (B, 1, vocab) of the rows."""
+        slot_ids = torch.as_tensor(range(cache.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
+        positions, stepped = cache.begin_every_slot(slot_ids)
+        if not isinstance(cache.step_graph, DecodeGraph):
+            decoder = self._decoder
+            cache.step_graph = DecodeGraph(lambda *inputs: decoder.every_slot(*inputs, cache), cache)
+        logits = cache.step_graph(tokens[:, 0], slot_ids, positions, stepped)
+        return logits.view(tokens.shape[0], 1, -1)

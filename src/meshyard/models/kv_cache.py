@@ -203,6 +203,13 @@ class KVCache:
         self._free = list(range(batch_slots))
         self._arange = torch.arange(max_length, device=self.device)  # positions, for the masks
         self._plan: _DecodePlan | None = None  # the last decoding step, reused by the next one over its slots
+        # On a GPU a decoding step's host work (tens of kernel launches per layer) outweighs its
+        # matrix work: there a model may compute every slot at once in fixed shapes
+        # (``begin_every_slot``), which a CUDA graph replays; on a CPU reading only the rows'
+        # spans (``begin``) is faster. Settable, e.g. to check the two agree.
+        self.every_slot_steps = self.device.type == "cuda"
+        # Where a model keeps its captured step for this cache (it holds this cache's tensors).
+        self.step_graph: object | None = None
 
     @property
     def bytes(self) -> int:
@@ -259,6 +266,20 @@ class KVCache:
         # keeps its groups and order (see _advance).
         self._plan = _DecodePlan(slot_list, slot_ids, ends, longest, step) if n_new == 1 and not step.fresh else None
         return step
+
+    def begin_every_slot(self, slots: SlotIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a decoding step that appends one token to each of ``slots`` and computes every
+        slot of the cache (see ``every_slot_steps``): the position each slot's token takes and
+        whether the slot is stepped, both [batch_slots] on the CPU. The other slots are computed
+        at their next position (the last one when full) and neither written nor lengthened."""
+        slot_ids = torch.as_tensor(slots, dtype=torch.long).cpu()
+        self._check(slot_ids, self.lengths[slot_ids], 1)
+        positions = self.lengths.clamp(max=self.max_length - 1)
+        stepped = torch.zeros(self.batch_slots, dtype=torch.bool)
+        stepped[slot_ids] = True
+        self.lengths[slot_ids] += 1
+        self._plan = None
+        return positions, stepped
 
     def _continues(self, plan: _DecodePlan, slots: SlotIndex | None, positions: SlotIndex | None) -> bool:
         """Whether a decoding step over ``slots`` from ``positions`` is the one after ``plan``:
