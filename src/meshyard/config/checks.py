@@ -228,8 +228,7 @@ def _combination_problems(p: ParallelConfig, c: CommConfig, d: DataConfig) -> li
          "parallel.strategy = 'zero1' does not combine with parallel.tp > 1; use 'fsdp' (FSDP x TP)"),
         (not (p.pp > 1 and p.strategy == "zero1"),
          "parallel.strategy = 'zero1' does not combine with parallel.pp > 1; use 'ddp' or 'fsdp'"),
-        *_context_parallel_problems(p, d),
-    ])
+    ]) + _context_parallel_problems(p, d)
 
 
 def _context_parallel_problems(p: ParallelConfig, d: DataConfig) -> list[str]:
