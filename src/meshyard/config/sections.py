@@ -178,6 +178,12 @@ class ParallelConfig:
         "mapped to 'colwise', 'rowwise', 'sequence_parallel' (runs as 'replicate') or 'replicate'; unnamed modules "
         "are replicated. Empty uses the built-in plans (GPT-2-style and Llama-style modules, found by name).",
     )
+    cp: int = option(
+        1, "Context-parallel degree: each sequence is split over this many ranks (ring attention), which read the "
+        "same samples; its 2 x cp chunks are dealt so that rank r holds chunks r and 2 x cp - 1 - r, balancing the "
+        "causal work. Activation memory per rank falls about 1/cp. Needs strategy 'fsdp' (sharding over dp_shard x "
+        "cp) or 'ddp', data.seq_len divisible by 2 x cp, and meshyard's GPT or a Llama-style Hugging Face model."
+    )
     pp: int = option(1, "Pipeline-parallel degree: the model is cut into this many stages, one group of ranks each.")
     microbatches: int = option(
         0, "pp: pipeline micro-batches per train.micro_batch (must divide it); 0 uses the number of stages."

@@ -50,6 +50,11 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal scaled dot-product attention of (B, heads, T, head_dim) queries, keys and values."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
@@ -60,6 +65,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model, bias=shape.bias)
         self.proj = nn.Linear(shape.d_model, shape.d_model, bias=shape.bias)
         self.resid_dropout = nn.Dropout(shape.dropout)
+        # How the attention of whole sequences is computed; context parallelism replaces it
+        # with a ring over the ranks that hold the rest of each sequence.
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, cache: tuple[CacheStep, int] | None = None) -> torch.Tensor:
         """Causal attention over ``x``; with ``cache`` = (step, layer index), over what the
@@ -70,9 +78,7 @@ class CausalSelfAttention(nn.Module):
         # across tensor-parallel ranks and each rank holds only some of them.
         q, k, v = (t.view(batch, seq, -1, x.shape[-1] // self.n_head).transpose(1, 2) for t in (q, k, v))
         if cache is None:
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )
+            y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         else:
             y = cache[0].attend(cache[1], q, k, v)
         y = y.transpose(1, 2).reshape(batch, seq, -1)

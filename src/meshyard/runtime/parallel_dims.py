@@ -1,9 +1,10 @@
 """Parallel degrees validated against the world size, and the one named DeviceMesh.
 
-Mesh dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. All
-four always exist (size 1 when unused) so code can slice any of them by name, and
+Mesh dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``.
+All five always exist (size 1 when unused) so code can slice any of them by name, and
 ``dp`` is the flattened ``dp_replicate x dp_shard`` dimension used by data loading and
-loss averaging.
+loss averaging. The ``cp`` (context-parallel) ranks of one data-parallel index read the
+same samples and split each sequence between them, so they are not part of ``dp``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class ParallelDimsError(ValueError):
@@ -30,16 +31,18 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
             if getattr(self, name) < 1:
                 problems.append(f"parallel.{name} = {getattr(self, name)} must be at least 1")
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if not problems and product != self.world_size:
+            context = f"cp={self.cp} x " if self.cp > 1 else ""
             problems.append(
-                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x {context}"
                 f"tp={self.tp} x pp={self.pp} = {product} do not multiply to the world size "
                 f"{self.world_size}; change the degrees or the number of processes (--nproc)"
             )
@@ -48,14 +51,15 @@ class ParallelDims:
 
     @classmethod
     def resolve(
-        cls, strategy: str, world_size: int, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 1, pp: int = 1
+        cls, strategy: str, world_size: int, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 1, pp: int = 1,
+        cp: int = 1,
     ) -> "ParallelDims":
         """Fill the degrees left at 0 from the strategy and the world size, then validate.
 
-        ``ddp``/``zero1`` replicate over every rank not used by tp/pp; ``fsdp`` shards over
-        them (HSDP when ``dp_replicate`` > 1 is given); ``none`` uses no data parallelism.
+        ``ddp``/``zero1`` replicate over every rank not used by tp/pp/cp; ``fsdp`` shards
+        over them (HSDP when ``dp_replicate`` > 1 is given); ``none`` uses no data parallelism.
         """
-        model_parallel = tp * pp
+        model_parallel = tp * pp * cp
         rest = world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 0
         if strategy in ("ddp", "zero1"):
             if dp_shard not in (0, 1):
@@ -81,7 +85,7 @@ class ParallelDims:
                      "choose 'ddp', 'fsdp' or 'zero1'"]
                 )
             dp_replicate = dp_shard = 1
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size)
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size, cp=cp)
 
     @property
     def dp(self) -> int:
@@ -95,6 +99,6 @@ class ParallelDims:
         reuse it; the others are split from it), so they keep its device-to-backend map:
         CPU tensors go through gloo on every mesh group, as on the default one.
         """
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
