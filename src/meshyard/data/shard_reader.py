@@ -8,8 +8,10 @@ fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at m
 background threads, so that a later read finds them there: the loader's sampler names the
 next two steps' micro-batches after each one it hands out (``GlobalBatchSampler.look_ahead``),
 so their shards download while the current step trains (with ``data.num_workers = 0``;
-loader workers keep caches of their own and fetch when they read). A read that must wait for a
-fetch waits inside the loader, which the step breakdown counts as its data phase.
+a loader worker starts a cache of its own, in a folder inside its rank's, at its first read,
+and fetches when it reads). A read that must wait for a fetch waits inside the loader, which
+the step breakdown counts as its data phase. The cache's folder lives as long as the cache
+(``meshyard.data.reader_folders``).
 
 A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
 whose digest does not match the index is fetched once more, then refused.
@@ -17,9 +19,10 @@ whose digest does not match the index is fetched once more, then refused.
 
 from __future__ import annotations
 
-import tempfile
+import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +31,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from meshyard.data.cache import DataSourceError, write_atomically
+from meshyard.data.reader_folders import new_reader_folder, remove_abandoned, remove_folder
 from meshyard.data.shards import ShardEntry, ShardIndex, ShardStore, digest
 
 FETCH_ATTEMPTS = 4
@@ -38,7 +42,9 @@ PREFETCH_THREADS = 2
 
 
 class ShardCache:
-    """Shards of one corpus as local files, at most ``cache_bytes`` of them (see the module docstring)."""
+    """Shards of one corpus as local files in ``folder``, at most ``cache_bytes`` of them (see
+    the module docstring). The cache owns ``folder``: ``close`` removes it, and so does the
+    garbage collector or the end of the process, whichever comes first."""
 
     def __init__(self, store: ShardStore, index: ShardIndex, folder: Path, cache_bytes: int) -> None:
         largest = max((s.tokens for s in index.shards), default=0) * index.element.itemsize
@@ -46,20 +52,43 @@ class ShardCache:
             raise DataSourceError(
                 f"data.cache_bytes = {cache_bytes} cannot hold one shard of {store.url} ({largest} bytes); raise "
                 f"data.cache_bytes to at least {2 * largest} (two shards: one read, one fetched ahead)")
-        self.store, self.index, self.folder, self.cache_bytes = store, index, folder, cache_bytes
+        self.store, self.index, self.cache_bytes = store, index, cache_bytes
+        self._start_in_this_process(folder)
+
+    def _start_in_this_process(self, folder: Path) -> None:
+        """Empty bookkeeping, threads and a lock of this process's own, for ``folder``."""
+        self.folder = folder
+        self._owner = os.getpid()
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
+        self._remove = weakref.finalize(self, remove_folder, folder, self._owner)
         self.fetches = 0  # downloads done, retries included: what tests and stall reports count
+        self.fetched_bytes = 0  # bytes those downloads brought
+
+    def _here(self) -> None:
+        """Start a cache of this process's own when it is not the one that made this one: a
+        loader worker forked (or unpickled) from its rank inherits the rank's bookkeeping,
+        but none of its threads, and must not delete files the rank reads."""
+        if self._owner != os.getpid():
+            self._start_in_this_process(new_reader_folder(self.folder))
+
+    def close(self) -> None:
+        """Wait for fetches under way, then remove the cache's folder and what it holds."""
+        if self._owner == os.getpid():  # else this process never used its copy
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._remove()
 
     def prefetch(self, entries: Iterable[ShardEntry]) -> None:
         """Start fetching ``entries`` not yet here, in the background."""
+        self._here()
         for entry in entries:
             self._future(entry)
 
     def get(self, entry: ShardEntry) -> np.ndarray:
         """The shard's tokens, fetched first when they are not here (waiting for a prefetch under way)."""
+        self._here()
         while True:
             self._future(entry).result()
             with self._lock:
@@ -96,7 +125,8 @@ class ShardCache:
                         f"corpus again with 'meshyard data prepare SOURCE --out {self.store.url}'")
             with self._lock:
                 self._make_room(len(data))
-                write_atomically(self.folder / entry.name, data)
+                # Into the folder as it is: after ``close`` it is gone, and stays gone.
+                write_atomically(self.folder / entry.name, data, make_parent=False)
                 self._resident[entry.name] = len(data)
         finally:
             with self._lock:
@@ -105,9 +135,14 @@ class ShardCache:
     def _download(self, entry: ShardEntry) -> bytes:
         for attempt in range(FETCH_ATTEMPTS):
             try:
-                self.fetches += 1
-                return self.store.read(entry.name)
+                data = self.store.read(entry.name)
+                with self._lock:  # fetches run on several threads
+                    self.fetches += 1
+                    self.fetched_bytes += len(data)
+                return data
             except OSError as exc:
+                with self._lock:
+                    self.fetches += 1
                 if attempt == FETCH_ATTEMPTS - 1:
                     raise DataSourceError(
                         f"shard {entry.name} of {self.store.url} could not be fetched in {FETCH_ATTEMPTS} tries "
@@ -122,17 +157,15 @@ class ShardCache:
             (self.folder / name).unlink(missing_ok=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Loader worker processes get their own threads, lock and record of files.
+        # A copy in a loader worker process starts a cache of its own at its first read (``_here``).
         state = self.__dict__.copy()
-        for key in ("_lock", "_pool", "_pending"):
+        for key in ("_lock", "_pool", "_pending", "_remove", "_resident"):
             del state[key]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
-        self._pending = {}
+        self._owner = -1  # no process's: the first read makes it this process's
 
 
 class ShardedTokens:
@@ -148,6 +181,10 @@ class ShardedTokens:
 
     def __len__(self) -> int:
         return self.length
+
+    def close(self) -> None:
+        """Remove the local cache (``ShardCache.close``); reading again is an error."""
+        self.cache.close()
 
     def head(self, count: int) -> ShardedTokens:
         """The first ``count`` tokens, still fetched only when read."""
@@ -189,6 +226,5 @@ def open_shards(url: str, storage_options: dict[str, Any], cache_dir: Path, cach
     index = store.read_index()
     parent = cache_dir / "shards" / digest(index.to_json().encode())[:20]
     parent.mkdir(parents=True, exist_ok=True)
-    # A folder of this process's own: ranks on one machine each keep the budget they account for.
-    folder = Path(tempfile.mkdtemp(dir=parent, prefix="reader-"))
-    return ShardedTokens(ShardCache(store, index, folder, cache_bytes))
+    remove_abandoned(parent)  # the folders of killed readers
+    return ShardedTokens(ShardCache(store, index, new_reader_folder(parent), cache_bytes))
