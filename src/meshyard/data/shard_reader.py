@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -38,7 +38,8 @@ FETCH_ATTEMPTS = 4
 """Tries of one download before its error is final: object stores fail now and then."""
 FIRST_PAUSE_S = 0.05
 """Pause before the second try; each later one doubles it."""
-PREFETCH_THREADS = 2
+FETCH_THREADS = 2
+"""Downloads at once for reads waiting now, and as many again for shards fetched ahead of need."""
 
 
 class ShardCache:
@@ -62,7 +63,8 @@ class ShardCache:
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
+        self._ahead = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="meshyard-shards-ahead")
+        self._now = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="meshyard-shards-now")
         self._remove = weakref.finalize(self, remove_folder, folder, self._owner)
         self.fetches = 0  # downloads done, retries included: what tests and stall reports count
         self.fetched_bytes = 0  # bytes those downloads brought
@@ -77,20 +79,25 @@ class ShardCache:
     def close(self) -> None:
         """Wait for fetches under way, then remove the cache's folder and what it holds."""
         if self._owner == os.getpid():  # else this process never used its copy
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            for pool in (self._ahead, self._now):
+                pool.shutdown(wait=True, cancel_futures=True)
             self._remove()
 
-    def prefetch(self, entries: Iterable[ShardEntry]) -> None:
-        """Start fetching ``entries`` not yet here, in the background."""
+    def prefetch(self, entries: Iterable[ShardEntry], now: bool = False) -> None:
+        """Start fetching ``entries`` not yet here, in the background; ``now``: a read waits
+        for them (see ``_future``)."""
         self._here()
         for entry in entries:
-            self._future(entry)
+            self._future(entry, now)
 
     def get(self, entry: ShardEntry) -> np.ndarray:
         """The shard's tokens, fetched first when they are not here (waiting for a prefetch under way)."""
         self._here()
         while True:
-            self._future(entry).result()
+            try:
+                self._future(entry, now=True).result()
+            except CancelledError:  # moved ahead of the queue by another read meanwhile
+                continue
             with self._lock:
                 if entry.name in self._resident:  # else a fetch for another read evicted it meanwhile
                     self._resident.move_to_end(entry.name)
@@ -103,15 +110,22 @@ class ShardCache:
         largest = max(s.tokens for s in self.index.shards) * self.index.element.itemsize
         return max(1, self.cache_bytes // max(largest, 1))
 
-    def _future(self, entry: ShardEntry) -> Future:
+    def _future(self, entry: ShardEntry, now: bool = False) -> Future:
+        """The fetch of ``entry``, started if need be. Fetches ahead of need queue on threads
+        of their own, so a read waits only for its own shards (``now``): one still queued
+        there is taken out and fetched at once."""
         with self._lock:
             if entry.name in self._resident:
                 done: Future = Future()
                 done.set_result(None)
                 return done
-            if entry.name not in self._pending:
-                self._pending[entry.name] = self._pool.submit(self._fetch, entry)
-            return self._pending[entry.name]
+            pending = self._pending.get(entry.name)
+            if pending is not None and now and pending.cancel():
+                pending = None
+            if pending is None:
+                pending = (self._now if now else self._ahead).submit(self._fetch, entry)
+                self._pending[entry.name] = pending
+            return pending
 
     def _fetch(self, entry: ShardEntry) -> None:
         try:
@@ -159,7 +173,7 @@ class ShardCache:
     def __getstate__(self) -> dict[str, Any]:
         # A copy in a loader worker process starts a cache of its own at its first read (``_here``).
         state = self.__dict__.copy()
-        for key in ("_lock", "_pool", "_pending", "_remove", "_resident"):
+        for key in ("_lock", "_ahead", "_now", "_pending", "_remove", "_resident"):
             del state[key]
         return state
 
@@ -213,7 +227,7 @@ class ShardedTokens:
         owner = np.searchsorted(self.starts, positions, side="right") - 1
         numbers = np.unique(owner).tolist()
         # The shards of this read in parallel, as many as the cache holds at once.
-        self.cache.prefetch(self.shards[k] for k in numbers[: self.cache.capacity])
+        self.cache.prefetch((self.shards[k] for k in numbers[: self.cache.capacity]), now=True)
         for k in numbers:  # one shard in memory at a time: the cache may hold fewer than a read spans
             here = owner == k
             out[here] = self.cache.get(self.shards[k])[positions[here] - self.starts[k]]
