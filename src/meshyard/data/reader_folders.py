@@ -40,6 +40,13 @@ def remove_folder(folder: Path, owner_pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host: a zombie (killed, not yet reaped) does not."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no such process, or no /proc here
+        state = ""
+    if state == "Z":
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
