@@ -9,8 +9,10 @@ background threads, so that a later read finds them there: the loader's sampler 
 next two steps' micro-batches after each one it hands out (``GlobalBatchSampler.look_ahead``),
 so their shards download while the current step trains (with ``data.num_workers = 0``;
 a loader worker starts a cache of its own, in a folder inside its rank's, at its first read,
-and fetches when it reads). A read that must wait for a fetch waits inside the loader, which
-the step breakdown counts as its data phase. The cache's folder lives as long as the cache
+and fetches when it reads). Fetches ahead of need run on threads of their own, so a read
+waits only for its own shards; one of them still queued ahead is taken out of that queue.
+A read that must wait for a fetch waits inside the loader, which the step breakdown
+counts as its data phase. The cache's folder lives as long as the cache
 (``meshyard.data.reader_folders``).
 
 A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
