@@ -27,16 +27,20 @@ def _host() -> str:
 
 
 def new_reader_folder(parent: Path) -> Path:
-    """A new, empty folder under ``parent`` for this process's cache (see the module docstring)."""
-    parent.mkdir(parents=True, exist_ok=True)
+    """A new, empty folder under ``parent`` (which must exist: a removed one stays removed)
+    for this process's cache (see the module docstring)."""
     return Path(tempfile.mkdtemp(dir=parent, prefix=f"{PREFIX}{_host()}-{os.getpid()}-"))
 
 
 def remove_folder(folder: Path, owner_pid: int) -> None:
     """Remove ``folder`` if this process is ``owner_pid``: a forked child inherits the
     parent's finalizers, and must not remove the folder its parent still reads from."""
-    if os.getpid() == owner_pid:
+    if os.getpid() != owner_pid:
+        return
+    for _ in range(3):  # a loader worker may be writing a file into it meanwhile: once gone, it stays gone
         shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
 
 
 def _alive(pid: int) -> bool:
