@@ -20,7 +20,7 @@ float32); on CUDA gpt2-124m (vocabulary 50304) in bf16 with 128-token prompts.
 earlier implementation) prints each overhead against it.
 
     python benchmarks/decode_step.py [--device auto] [--model gpt-mini] [--rows 1,4,16,32]
-        [--steps 200] [--threads 2] [--out FILE] [--baseline FILE]
+        [--steps 200] [--threads 2] [--out FILE] [--baseline FILE] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def timed(fn, steps: int, device: torch.device, blocks: int = 5) -> float:
     return min(medians)
 
 
-def step_seconds(module: GPT, rows: int, prompt: int, steps: int, device: torch.device) -> float:
-    """One decoding step over ``rows`` prefilled slots, tokens chosen greedily to the host."""
+def step_seconds(module: GPT, rows: int, prompt: int, steps: int, device: torch.device,
+                 profile: Path | None = None) -> float:
+    """One decoding step over ``rows`` prefilled slots, tokens chosen greedily to the host.
+    With ``profile``, ten more steps run under torch.profiler afterwards (see ``profiled``)."""
     total = prompt + rows + steps + 16
     cache = module.init_kv_cache(rows, total)
     slots = [cache.allocate() for _ in range(rows)]
@@ -86,7 +88,30 @@ def step_seconds(module: GPT, rows: int, prompt: int, steps: int, device: torch.
         tokens = next_tokens(logits, sampling, generators, vocab).tolist()
 
     with torch.inference_mode():
-        return timed(step, steps, device)
+        seconds = timed(step, steps, device)
+        if profile is not None:
+            profiled(step, device, profile)
+        return seconds
+
+
+def profiled(step, device: torch.device, trace: Path) -> None:
+    """Ten steps under torch.profiler: prints the operators by host time and (on CUDA) by
+    device time, and writes a Chrome trace to ``trace``: where a step's time goes when it is
+    far above its matrix work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as run:
+        for _ in range(10):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    table = run.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if device.type == "cuda":
+        print(table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+    run.export_chrome_trace(str(trace))
+    print(f"trace of 10 steps: {trace}")
 
 
 def matrix_seconds(module: GPT, rows: int, prompt: int, steps: int, device: torch.device) -> float:
@@ -123,6 +148,8 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what was measured (kept in --out)")
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--baseline", help="a JSON file of an earlier run: print overheads against it")
+    parser.add_argument("--profile", help="also profile ten steps per row count: operator tables on stdout, "
+                        "Chrome traces at PROFILE-rows<N>.json")
     args = parser.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +169,8 @@ def main() -> None:
     baseline = {r["rows"]: r for r in json.loads(Path(args.baseline).read_text())["results"]} if args.baseline else {}
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        step = step_seconds(module, rows, prompt, args.steps, device)
+        trace = Path(f"{args.profile}-rows{rows}.json") if args.profile else None
+        step = step_seconds(module, rows, prompt, args.steps, device, trace)
         matrix = matrix_seconds(module, rows, prompt, args.steps, device)
         result = {"rows": rows, "step_ms": step * 1e3, "matrix_ms": matrix * 1e3, "overhead_ms": (step - matrix) * 1e3}
         results.append(result)

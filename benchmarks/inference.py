@@ -81,6 +81,8 @@ from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
 from meshyard.serve.batching import DynamicBatcher
 from meshyard.serve.continuous import ContinuousBatcher
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 QUICK = {  # --quick: small enough to smoke-run in well under a minute
     "export_model": "gpt-tiny", "seq_len": 64, "train_steps": 15, "repeats": 2, "kv_model": "gpt-tiny",
     "new_tokens": 64, "kv_prompt": 16, "kv_batches": [1, 2], "batching_models": ["gpt-mini"], "requests": 12,
@@ -224,11 +226,14 @@ def runtimes_section(args: argparse.Namespace, folder: Path) -> bool:
 
 # --- 2. KV cache against recomputation ---------------------------------------------------
 
-def random_engine(preset: str, context_length: int) -> EagerEngine:
-    """meshyard's GPT at a preset's shape with a byte vocabulary, freshly initialised."""
+def random_engine(preset: str, context_length: int, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> EagerEngine:
+    """meshyard's GPT at a preset's shape with a byte vocabulary, freshly initialised, on
+    ``device`` in ``dtype``."""
     torch.manual_seed(0)
-    return EagerEngine(GPT(GPTShape(vocab_size=256, context_length=context_length, **GPT_PRESETS[preset])),
-                       256, context_length)
+    with torch.device(device):
+        module = GPT(GPTShape(vocab_size=256, context_length=context_length, **GPT_PRESETS[preset]))
+    return EagerEngine(module.to(dtype), 256, context_length)
 
 
 def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -416,7 +421,8 @@ def step_costs(engine: EagerEngine, max_batch: int) -> dict[int, float]:
             times = []
             for _ in range(12):
                 start = time.perf_counter()
-                decode_step(engine.module, cache, list(range(batch)), [1] * batch)
+                # The token back on the host, as the schedulers take it (and a CUDA step done).
+                decode_step(engine.module, cache, list(range(batch)), [1] * batch).argmax(-1).tolist()
                 times.append(time.perf_counter() - start)
             costs[batch] = statistics.median(times)
     return costs
@@ -460,8 +466,8 @@ def poisson(count: int, rate: float, seed: int) -> list[float]:
 
 
 def compare(load: str, engine: EagerEngine, items: list[tuple[list[int], Sampling]], arrivals: list[float],
-            max_batch: int, executor: ThreadPoolExecutor) -> dict[str, Outcome]:
-    """Both schedulers under one load; prints their lines and the ratio."""
+            max_batch: int, executor: ThreadPoolExecutor, target: float) -> dict[str, Outcome]:
+    """Both schedulers under one load; prints their lines and the ratio against ``target``."""
     total = sum(s.max_new_tokens for _, s in items)
     outcomes = {kind: run_scheduler(kind, engine, items, arrivals, max_batch, executor)
                 for kind in ("request-level", "continuous")}
@@ -479,8 +485,8 @@ def compare(load: str, engine: EagerEngine, items: list[tuple[list[int], Samplin
     overall = outcomes["request-level"].wall_s / outcomes["continuous"].wall_s
     ttft = percentile(outcomes["continuous"].ttft_s, 95) / percentile(outcomes["request-level"].ttft_s, 95)
     print(f"     continuous / request-level: {sustained:.2f}x tokens/s sustained, {overall:.2f}x to the last answer, "
-          f"{ttft:.2f}x p95 time to first token; same tokens: yes; target >= 2x sustained tokens/s: "
-          f"{verdict(sustained >= 2.0)}", flush=True)
+          f"{ttft:.2f}x p95 time to first token; same tokens: yes; target >= {target:g}x sustained tokens/s: "
+          f"{verdict(sustained >= target)}", flush=True)
     return outcomes
 
 
@@ -489,7 +495,7 @@ def batching_section(args: argparse.Namespace) -> bool:
     total = sum(s.max_new_tokens for _, s in items)
     print(f"\n3. schedulers: {args.requests} requests, prompts of 8-48 tokens, greedy completions of "
           f"{{{', '.join(map(str, args.lengths))}}} tokens ({total} in all), max batch {args.max_batch}; "
-          "target >= 2x tokens/s")
+          f"target >= {sustained_target(args.device):g}x tokens/s")
     met = True
     with inference_thread(torch.get_num_threads()) as executor:
         for preset in args.batching_models:
@@ -502,25 +508,35 @@ def batching_runs(args: argparse.Namespace, preset: str, items: list[tuple[list[
     """Both loads through both schedulers for one model shape; whether continuous batching
     reached 2x tokens/s in both."""
     total = sum(s.max_new_tokens for _, s in items)
-    engine = executor.submit(random_engine, preset, 48 + max(args.lengths)).result()
+    engine = executor.submit(random_engine, preset, 48 + max(args.lengths), args.device,
+                             DTYPES[args.dtype]).result()
     costs = executor.submit(step_costs, engine, args.max_batch).result()
     params = sum(p.numel() for p in engine.module.parameters())
-    print(f"   {preset} shape ({params / 1e6:.1f}M parameters, {4 * params / 2**20:.0f} MiB): a decoding "
+    size = params * DTYPES[args.dtype].itemsize
+    print(f"   {preset} shape ({params / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB): a decoding "
           f"forward takes {costs[1] * 1e3:.1f} ms at batch 1, {costs[args.max_batch] * 1e3:.1f} ms at batch "
           f"{args.max_batch} ({costs[args.max_batch] / costs[1]:.1f}x the time for {args.max_batch}x the rows); at "
           f"these costs (fitted as a fixed cost per forward + a cost per row) any schedule gains about "
           f"{scheduling_ceiling(costs, items, args.max_batch):.2f}x tokens/s over request-level batching at most")
     # First-call costs out of the way.
     executor.submit(engine.generate, [items[0][0]], [Sampling(max_new_tokens=4)]).result()
-    at_once = compare("all at once", engine, items, [0.0] * len(items), args.max_batch, executor)
+    target = sustained_target(args.device)
+    at_once = compare("all at once", engine, items, [0.0] * len(items), args.max_batch, executor, target)
     runs = [at_once]
     if "poisson" in args.loads:
         offered = at_once["continuous"].saturated_rate * args.poisson_load
         rate = offered / (total / len(items))
         runs.append(compare(f"Poisson arrivals, {rate:.2f} requests/s (offered {offered:.0f} tok/s, "
                             f"{args.poisson_load:g}x what continuous batching sustained all at once)",
-                            engine, items, poisson(len(items), rate, seed=11), args.max_batch, executor))
-    return all(o["continuous"].saturated_rate >= 2.0 * o["request-level"].saturated_rate for o in runs)
+                            engine, items, poisson(len(items), rate, seed=11), args.max_batch, executor, target))
+    return all(o["continuous"].saturated_rate >= target * o["request-level"].saturated_rate for o in runs)
+
+
+def sustained_target(device: str) -> float:
+    """Continuous over request-level tokens/s: on a GPU a decoding step's time hardly grows with
+    its rows, so the gain is larger there than on a 2-core CPU (whose schedules top out near
+    1.7-1.9x)."""
+    return 2.5 if device.startswith("cuda") else 2.0
 
 
 # --- entry point ---------------------------------------------------------------------------
@@ -544,6 +560,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=128,
                         help="requests per load: enough that the drain at the end is a small share")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="part 3's device: cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="part 3's weights and cache (default fp32 on "
+                        "the CPU, bf16 on CUDA)")
     parser.add_argument("--lengths", type=ints, default=[8, 16, 32, 64, 128, 256], help="completion lengths")
     parser.add_argument("--loads", default="all-at-once,poisson", type=lambda s: s.split(","),
                         help="part 3's loads: all-at-once (always; the Poisson rate is set from it), poisson; "
@@ -552,7 +571,9 @@ def parse_args() -> argparse.Namespace:
                         help="Poisson offered load as a multiple of continuous batching's all-at-once tokens/s")
     if "--quick" in sys.argv[1:]:
         parser.set_defaults(**QUICK)
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    return args
 
 
 def batching_in_this_process(args: argparse.Namespace) -> bool:
@@ -567,7 +588,9 @@ def batching_in_this_process(args: argparse.Namespace) -> bool:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (torch and ONNX Runtime), CPU")
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (torch and ONNX Runtime); part 3 on "
+          f"{where} in {args.dtype}")
     met = True
     with tempfile.TemporaryDirectory() as folder:
         if 1 in args.sections:

@@ -166,12 +166,12 @@ def _derive(cfg: Config, world_size: int) -> tuple[ValidatedLayout | None, list[
     ``meshyard.config.checks`` names them, and ``ParallelDims`` would name them again.
     """
     p, t = cfg.parallel, cfg.train
-    model_parallel = max(p.tp, 1) * max(p.pp, 1)
+    model_parallel = max(p.tp, 1) * max(p.pp, 1) * max(p.cp, 1)
     if p.strategy == "none" and world_size > model_parallel:
         per = f" per tp x pp = {model_parallel}" if model_parallel > 1 else ""
         return None, [f"parallel.strategy = 'none' runs one process{per} but the world size is {world_size}; "
                       f"use --nproc {model_parallel} or choose 'ddp', 'fsdp' or 'zero1'"]
-    if min(p.dp_replicate, p.dp_shard) < 0 or min(p.tp, p.pp) < 1:
+    if min(p.dp_replicate, p.dp_shard) < 0 or min(p.tp, p.pp, p.cp) < 1:
         return None, []
     try:
         layout = Layout.resolve(p, world_size)
@@ -255,12 +255,13 @@ def _is_gpt(name: str) -> bool:
 def _inspects_model(cfg: Config, layout: Layout) -> bool:
     """Whether the layout asks something of the model that only the model can answer:
     meshyard's GPT fits every layout its shape allows (checked from the config), so only
-    the unit classes named for it; other models, under anything but plain replication."""
-    p = cfg.parallel
+    the unit classes named for it, and its attention dropout under context parallelism;
+    other models, under anything but plain replication."""
+    p, dims = cfg.parallel, layout.dims
     if _is_gpt(cfg.model.name):
-        return bool(p.fsdp_units)
-    dims = layout.dims
-    return bool(p.fsdp_units) or dims.tp > 1 or dims.pp > 1 or layout.data_parallel == "fsdp" or p.ac != "none"
+        return bool(p.fsdp_units) or dims.cp > 1
+    return (bool(p.fsdp_units) or dims.cp > 1 or dims.tp > 1 or dims.pp > 1 or layout.data_parallel == "fsdp"
+            or p.ac != "none")
 
 
 def _model_problems(cfg: Config, validated: ValidatedLayout) -> list[str]:

@@ -14,8 +14,10 @@ from meshyard.data.loader import build_data
 from meshyard.data.prepare import prepare_shards
 from meshyard.data.shard_reader import ShardCache, open_shards
 from meshyard.data.corpus import load_corpus
+from meshyard.data.shards import ShardStore
 from tests.conftest import tiny_config
 from tests.data.test_shards import write_text
+from tests.inprocess import fit_here
 from tests.s3_server import start_s3_server
 
 URL = "s3://corpora/reader"
@@ -151,3 +153,37 @@ def test_the_next_steps_shards_are_fetched_while_the_current_one_is_read(tmp_pat
     needed = dataset.tokens.shards_of(np.concatenate([starts, starts + dataset.seq_len]))
     assert needed and all(dataset.tokens.shards[k].name in cache._resident for k in needed)
     assert next(indices) == upcoming  # taking it names the batches after it in turn
+
+
+def test_a_cold_fetch_is_counted_as_data_time_and_the_run_leaves_no_cache_folder(tmp_path, corpus, monkeypatch):
+    """The first step's shards arrive 0.6 s late: the wait is the step's data phase, not its
+    forward; a closed trainer removes its cache folder."""
+    paths, options = corpus
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    read = ShardStore.read
+
+    def slow(store: ShardStore, name: str) -> bytes:
+        if name.startswith("shard-"):
+            time.sleep(0.6)
+        return read(store, name)
+    monkeypatch.setattr(ShardStore, "read", slow)
+    cfg = tiny_config(tmp_path, "--data.source=shards", f"--data.url={URL}", "--data.seq_len=30",
+                      "--data.val_fraction=0", "--train.steps=2", "--train.global_batch=2", "--metrics.breakdown=true",
+                      f'--data.storage_options={{ key = "testing", secret = "testing", client_kwargs = '
+                      f'{{ endpoint_url = "{endpoint}" }} }}')
+    first = fit_here(cfg)[0]
+    assert first["data_s"] >= 0.6 and first["forward_s"] < 0.6, first
+    assert list((tmp_path / "cache").glob("shards/*/reader-*")) == []
+
+
+def test_a_read_waits_only_for_its_own_shards_not_for_those_fetched_ahead(tmp_path, corpus):
+    cfg = data_config(tmp_path, corpus)
+    tokens = open_shards(cfg.url, cfg.storage_options, tmp_path, cfg.cache_bytes)
+    read = tokens.cache.store.read
+    tokens.cache.store.read = lambda name: time.sleep(0.2) or read(name)
+    tokens.cache.prefetch(tokens.shards[:8])  # 4 rounds of 2 threads ahead of need
+    start = time.monotonic()
+    tokens[SHARD_TOKENS * 6 + 5]  # queued ahead: taken out of the queue and fetched now
+    tokens[SHARD_TOKENS * 9 + 5]  # not asked for before
+    assert time.monotonic() - start < 0.8  # behind the queue: 1 s at least
+    tokens.close()

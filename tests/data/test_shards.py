@@ -74,3 +74,37 @@ def test_a_folder_without_an_index_is_refused_in_one_paragraph(tmp_path, capsys)
     with pytest.raises(ValueError, match="holds no index.json.*meshyard data prepare"):
         ShardStore(str(tmp_path)).read_index()
     assert INDEX_NAME == "index.json"
+
+
+def test_a_rerun_reads_back_what_is_there_and_rewrites_only_damaged_shards(tmp_path):
+    """A shard damaged in place (same name, same size) and one without an index beside it
+    (an interrupted prepare) are judged by their bytes, not their names."""
+    paths = write_text(tmp_path / "text")
+    out = tmp_path / "shards"
+    args = dict(shard_tokens=100, cache_dir=tmp_path / "cache", report=lambda _: None)
+    first = prepare_shards(paths, str(out), **args)
+    damaged = out / first.index.shards[2].name
+    data = bytearray(damaged.read_bytes())
+    data[7] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    again = prepare_shards(paths, str(out), **args)
+    assert (again.written, again.kept) == (1, first.written - 1)
+    assert ShardStore(str(out)).read_index() == first.index and damaged.read_bytes() != bytes(data)
+
+    (out / INDEX_NAME).write_text("{ not an index")  # an interrupted or foreign index: replaced
+    lines: list[str] = []
+    third = prepare_shards(paths, str(out), **{**args, "report": lines.append})
+    assert (third.written, third.kept) == (0, first.written)
+    assert "replacing" in lines[0] and ShardStore(str(out)).read_index() == first.index
+
+
+def test_a_rerun_with_larger_shards_removes_those_the_new_index_does_not_name(tmp_path):
+    paths = write_text(tmp_path / "text")
+    out = tmp_path / "shards"
+    first = prepare_shards(paths, str(out), shard_tokens=100, cache_dir=tmp_path / "cache", report=lambda _: None)
+    second = prepare_shards(paths, str(out), shard_tokens=400, cache_dir=tmp_path / "cache", report=lambda _: None)
+    assert len(second.index.shards) < len(first.index.shards)
+    assert sorted(p.name for p in out.glob("shard-*")) == [s.name for s in second.index.shards]
+    tokens = load_corpus(DataConfig(source="shards", url=str(out), cache_dir=str(tmp_path / "read"))).tokens
+    assert np.array_equal(tokens[0:1000], np.concatenate(
+        [np.fromfile(out / s.name, dtype=second.index.element) for s in second.index.shards])[:1000])

@@ -45,3 +45,52 @@ def test_a_cuda_server_answers_completions(tmp_path, trained_run):
                            json={"model": "tiny", "prompt": "def add(", "max_tokens": 8, "temperature": 0})
         assert reply.status_code == 200, server.explain(reply)
         assert reply.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoding_steps_on_cuda_over_rows_of_different_lengths_match_the_full_forward(dtype):
+    # Rows of different lengths attend through a mask; over 40 steps its span crosses every
+    # alignment, which CUDA's memory-efficient attention needs from the mask's start.
+    from meshyard.models.gpt import GPT, GPTShape
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(GPTShape(vocab_size=64, context_length=96, n_layer=2, n_head=2, d_model=64)).to(dtype).eval()
+    cache = model.init_kv_cache(4, 96)
+    sequences = [torch.randint(0, 64, (length,)).tolist() for length in (3, 11, 5, 8)]
+    with torch.inference_mode():
+        for slot, sequence in enumerate(sequences):
+            model(torch.tensor([sequence[:-1]], device="cuda"), cache=cache, slots=[slot], positions=[0])
+        for _ in range(40):
+            tokens = torch.tensor([[sequence[-1]] for sequence in sequences], device="cuda")
+            logits = model(tokens, cache=cache, slots=[0, 1, 2, 3])[:, -1].float()
+            for row, sequence in enumerate(sequences):
+                full = model(torch.tensor([sequence], device="cuda"))[0, -1].float()
+                error = (logits[row] - full).abs().max() / full.abs().max()
+                assert error < (3e-2 if dtype == torch.bfloat16 else 1e-4), error
+                sequence.append(int(torch.argmax(full)))
+
+
+def test_the_cuda_graph_step_matches_the_grouped_step_and_is_captured_once():
+    from meshyard.models.gpt import GPT, GPTShape
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(GPTShape(vocab_size=64, context_length=64, n_layer=2, n_head=2, d_model=64)).eval()
+    caches = [model.init_kv_cache(5, 64), model.init_kv_cache(5, 64)]
+    caches[1].every_slot_steps = False
+    assert caches[0].every_slot_steps  # on by default on CUDA
+    prompts = [[3, 4, 5], [9] * 12, [1, 2]]
+    tokens = [[p[-1] for p in prompts] for _ in caches]
+    with torch.inference_mode():
+        for cache in caches:
+            for slot, prompt in zip((0, 1, 3), prompts):
+                model(torch.tensor([prompt[:-1]], device="cuda"), cache=cache, slots=[slot], positions=[0])
+        for _ in range(30):
+            logits = [model(torch.tensor([[t] for t in row], device="cuda"), cache=cache, slots=[0, 1, 3])[:, -1]
+                      for cache, row in zip(caches, tokens)]
+            assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
+            tokens = [row.argmax(-1).tolist() for row in logits]
+            assert tokens[0] == tokens[1]
+    graph = caches[0].step_graph
+    assert graph is not None and graph._graph is not None, "the decoding step was not captured as a CUDA graph"

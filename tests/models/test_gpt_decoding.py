@@ -96,3 +96,33 @@ def test_models_the_decoder_does_not_know_keep_the_module_path():
     float_steps = decode(model, prompts_of_mixed_lengths(), [1, 2], 2)
     int8_steps = decode(int8, prompts_of_mixed_lengths(), [1, 2], 2)
     assert (int8_steps[0] - float_steps[0]).abs().max() > 1e-4
+
+
+def test_a_step_over_every_slot_in_fixed_shapes_equals_the_grouped_step():
+    # The fixed-shape step (what a CUDA graph replays) computes every slot and keeps only the
+    # asked-for rows' keys and values: a held slot left out (3) and free slots stay as they were.
+    expected_model, model = make_model(n_layer=3), make_model(n_layer=3)
+    prompts = prompts_of_mixed_lengths()
+    prompts[3] = [5, 6, 7]
+    slots = [4, 2, 0, 1]
+    expected = decode(expected_model, {s: list(p) for s, p in prompts.items()}, slots, 8)
+    cache = model.init_kv_cache(6, CONTEXT)
+    cache.every_slot_steps = True
+    with torch.inference_mode():
+        for slot, prompt in prompts.items():
+            model(torch.tensor([prompt[:-1]]), cache=cache, slots=[slot], positions=[0])
+        held = cache.keys[0][3].clone(), cache.lengths[3].item()
+        for step in range(8):
+            logits = model(torch.tensor([[prompts[s][-1]] for s in slots]), cache=cache, slots=slots)[:, -1]
+            assert_close(logits, expected[step])
+            for row, slot in enumerate(slots):
+                prompts[slot].append(int(torch.argmax(logits[row])))
+    assert torch.equal(cache.keys[0][3], held[0]) and cache.lengths[3].item() == held[1]
+    assert cache.lengths.tolist() == [len(prompts[s]) - 1 if s in slots else (2 if s == 3 else 0)
+                                      for s in range(6)]
+    # Right after, the slots step on through the grouped path from where they are.
+    cache.every_slot_steps = False
+    with torch.inference_mode():
+        logits = model(torch.tensor([[prompts[s][-1]] for s in slots]), cache=cache, slots=slots)[:, -1]
+        for row, slot in enumerate(slots):
+            assert_close(logits[row], model(torch.tensor([prompts[slot]]))[0, -1])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from meshyard.models.gpt import GPT, GPTShape
-from meshyard.models.kv_cache import SPLIT_COST_ELEMENTS, KVCache, group_slots, supports_kv_cache
+from meshyard.models.kv_cache import SPLIT_COST_ELEMENTS, KVCache, group_slots, last_columns, supports_kv_cache
 from meshyard.models.mlp import MLP
 
 VOCAB, CONTEXT = 48, 32
@@ -163,3 +163,20 @@ def test_repeated_decoding_steps_over_the_same_slots_match_the_full_forward():
                 assert_close(logits[row], full)
                 sequences[slot].append(int(torch.argmax(logits[row])))
     assert cache.lengths.tolist() == [len(sequences[s]) - 1 for s in range(4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_mask_for_cuda_attention_starts_and_strides_on_16_byte_boundaries(dtype):
+    # CUDA's memory-efficient attention loads the mask in 16-byte vectors from its start;
+    # a view of a wide mask's last columns would start mid-vector on most steps.
+    wide = torch.zeros(3, 1, 1, 37, dtype=dtype)
+    wide[..., :20] = float("-inf")
+    per_vector = 16 // wide.element_size()
+    for span in range(1, 38):
+        mask = last_columns(wide, span, align=True)
+        assert torch.equal(mask, wide[..., -span:])
+        assert mask.storage_offset() % per_vector == 0
+        assert all(stride % per_vector == 0 for stride in mask.stride()[:-1]) and mask.stride(-1) == 1
+    # Off CUDA the view itself: no copy per step.
+    assert last_columns(wide, 5, align=False).data_ptr() == wide[..., -5:].data_ptr()
+    assert last_columns(wide, 5).data_ptr() == wide[..., -5:].data_ptr()

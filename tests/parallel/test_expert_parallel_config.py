@@ -31,6 +31,7 @@ def test_ep_takes_its_ranks_from_the_sharded_data_parallel_degree():
     (4, [*MOE, "--parallel.strategy=fsdp", "--parallel.tp=2", "--parallel.ep=2"],
      "does not combine with parallel.tp = 2"),
     (2, [*MOE, "--parallel.strategy=none", "--parallel.pp=2"], "does not combine with parallel.pp = 2"),
+    (2, [*MOE, "--parallel.strategy=fsdp", "--parallel.cp=2"], "does not combine with parallel.cp = 2"),
     (1, [*MOE, "--model.moe_top_k=5"], "must be between 1 and model.moe_experts = 4"),
     (1, [*MOE, "--model.moe_capacity_factor=-1"], "must not be negative (0 is dropless)"),
     (1, ["--model.name=mlp", "--model.moe_experts=4"], "gives meshyard's GPT experts"),

@@ -31,3 +31,12 @@ def test_rejects_zero_and_bad_products():
         ParallelDims(dp_replicate=1, dp_shard=1, tp=0, pp=1, world_size=1)
     with pytest.raises(ParallelDimsError, match="dp_replicate=3 x dp_shard=1"):
         ParallelDims(dp_replicate=3, dp_shard=1, tp=1, pp=1, world_size=2)
+
+
+def test_context_parallel_ranks_are_not_data_parallel():
+    dims = ParallelDims.resolve("fsdp", 8, cp=2)
+    assert (dims.dp_shard, dims.cp, dims.dp) == (4, 2, 4)
+    dims = ParallelDims.resolve("ddp", 4, cp=2, tp=2)
+    assert (dims.dp_replicate, dims.dp) == (1, 1)
+    with pytest.raises(ParallelDimsError, match=r"dp_shard=2 x cp=2 x tp=1 x pp=1 = 4 do not multiply to the world size 6"):
+        ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, world_size=6, cp=2)

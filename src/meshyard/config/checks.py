@@ -156,7 +156,7 @@ def _parallel_problems(p: ParallelConfig) -> list[str]:
     """Degrees, bucket and prefetch sizes: ranges only (whether the degrees fit a world
     size is ``ParallelDims``'s question)."""
     at_least_one = [(getattr(p, key) >= 1, f"parallel.{key} = {getattr(p, key)} must be at least 1")
-                    for key in ("tp", "pp", "ep", "pp_virtual_stages", "ac_every")]
+                    for key in ("tp", "cp", "pp", "ep", "pp_virtual_stages", "ac_every")]
     derived = [(getattr(p, key) >= 0, f"parallel.{key} = {getattr(p, key)} must not be negative (0 derives it)")
                for key in ("dp_replicate", "dp_shard")]
     prefetch = [(getattr(p, key) >= 0,
@@ -230,6 +230,22 @@ def _combination_problems(p: ParallelConfig, c: CommConfig, d: DataConfig) -> li
          "parallel.strategy = 'zero1' does not combine with parallel.tp > 1; use 'fsdp' (FSDP x TP)"),
         (not (p.pp > 1 and p.strategy == "zero1"),
          "parallel.strategy = 'zero1' does not combine with parallel.pp > 1; use 'ddp' or 'fsdp'"),
+    ]) + _context_parallel_problems(p, d)
+
+
+def _context_parallel_problems(p: ParallelConfig, d: DataConfig) -> list[str]:
+    """What context parallelism needs: gradients reduced over its ranks, whole chunks, no pipeline."""
+    if p.cp <= 1:
+        return []
+    return _failed([
+        (p.strategy in ("fsdp", "ddp"),
+         f"parallel.cp = {p.cp} needs the gradients of the context-parallel ranks reduced together, which "
+         f"parallel.strategy = '{p.strategy}' does not do; use 'fsdp' (sharded over dp_shard x cp) or 'ddp'"),
+        (d.seq_len % (2 * p.cp) == 0,
+         f"data.seq_len = {d.seq_len} is not divisible by 2 x parallel.cp = {2 * p.cp} (each sequence is cut "
+         f"into 2 x cp chunks, two per rank); use a multiple of {2 * p.cp}"),
+        (p.pp == 1,
+         f"parallel.cp = {p.cp} does not combine with parallel.pp = {p.pp}; use one of them"),
     ])
 
 
@@ -268,6 +284,10 @@ def _expert_parallel_problems(m: ModelConfig, p: ParallelConfig) -> list[str]:
         (not (m.moe_experts > 0 and p.tp > 1),
          f"model.moe_experts = {m.moe_experts} does not combine with parallel.tp = {p.tp}: the MoE feed-forward "
          "is not split by tensor parallelism; use parallel.ep (with fsdp) to spread the experts instead"),
+        (not (m.moe_experts > 0 and p.cp > 1),
+         f"model.moe_experts = {m.moe_experts} does not combine with parallel.cp = {p.cp}: the router losses "
+         "would be computed on each rank's part of a sequence rather than on whole micro-batches; use fsdp with "
+         "parallel.ep instead"),
         (not (m.moe_experts > 0 and p.pp > 1),
          f"model.moe_experts = {m.moe_experts} does not combine with parallel.pp = {p.pp}: the router losses of "
          "the early stages would not reach the loss computed in the last one; use fsdp with parallel.ep instead"),

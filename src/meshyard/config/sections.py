@@ -194,6 +194,12 @@ class ParallelConfig:
         "mapped to 'colwise', 'rowwise', 'sequence_parallel' (runs as 'replicate') or 'replicate'; unnamed modules "
         "are replicated. Empty uses the built-in plans (GPT-2-style and Llama-style modules, found by name).",
     )
+    cp: int = option(
+        1, "Context-parallel degree: each sequence is split over this many ranks (ring attention), which read the "
+        "same samples; its 2 x cp chunks are dealt so that rank r holds chunks r and 2 x cp - 1 - r, balancing the "
+        "causal work. Activation memory per rank falls about 1/cp. Needs strategy 'fsdp' (sharding over dp_shard x "
+        "cp) or 'ddp', data.seq_len divisible by 2 x cp, and meshyard's GPT or a Llama-style Hugging Face model."
+    )
     ep: int = option(
         1, "Expert-parallel degree (model.moe_experts > 0, strategy 'fsdp'): each group of ep data-parallel ranks "
         "splits the experts between them and exchanges tokens all-to-all; must divide the sharded data-parallel "

@@ -57,10 +57,12 @@ def dtype_suffix(dtype: np.dtype) -> str:
 
 
 @contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
+def atomic_file(path: Path, make_parent: bool = True) -> Iterator[BinaryIO]:
     """A handle to write ``path`` through: the file appears, complete and synced, only
-    when the block ends without an exception."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    when the block ends without an exception. Without ``make_parent``, a missing folder
+    is a FileNotFoundError (a folder removed on purpose stays removed)."""
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
@@ -73,6 +75,6 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         raise
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    with atomic_file(path) as out:
+def write_atomically(path: Path, data: bytes, make_parent: bool = True) -> None:
+    with atomic_file(path, make_parent) as out:
         out.write(data)

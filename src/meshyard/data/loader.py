@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from meshyard.config.sections import DataConfig
 from meshyard.data.corpus import DataSourceError, load_corpus
 from meshyard.data.sampling import GlobalBatchSampler, eval_indices
+from meshyard.data.shard_reader import ShardedTokens
 from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
 
 
@@ -76,6 +77,13 @@ class DataBundle:
     def seek(self, step: int) -> None:
         """Make the next iterator over ``train_loader`` start after global step ``step``."""
         self.sampler.start_step = step
+
+    def close(self) -> None:
+        """Give back what the data holds outside this process's memory: a shard source's
+        local cache folder (loader workers keep theirs inside it)."""
+        tokens = getattr(self.train_loader.dataset, "tokens", None)
+        if isinstance(tokens, ShardedTokens):
+            tokens.close()
 
     def eval_batches(self, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> Iterator:
         if self.val_dataset is None:

@@ -8,8 +8,12 @@ fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at m
 background threads, so that a later read finds them there: the loader's sampler names the
 next two steps' micro-batches after each one it hands out (``GlobalBatchSampler.look_ahead``),
 so their shards download while the current step trains (with ``data.num_workers = 0``;
-loader workers keep caches of their own and fetch when they read). A read that must wait for a
-fetch waits inside the loader, which the step breakdown counts as its data phase.
+a loader worker starts a cache of its own, in a folder inside its rank's, at its first read,
+and fetches when it reads). Fetches ahead of need run on threads of their own, so a read
+waits only for its own shards; one of them still queued ahead is taken out of that queue.
+A read that must wait for a fetch waits inside the loader, which the step breakdown
+counts as its data phase. The cache's folder lives as long as the cache
+(``meshyard.data.reader_folders``).
 
 A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
 whose digest does not match the index is fetched once more, then refused.
@@ -17,28 +21,33 @@ whose digest does not match the index is fetched once more, then refused.
 
 from __future__ import annotations
 
-import tempfile
+import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from meshyard.data.cache import DataSourceError, write_atomically
+from meshyard.data.reader_folders import new_reader_folder, remove_abandoned, remove_folder
 from meshyard.data.shards import ShardEntry, ShardIndex, ShardStore, digest
 
 FETCH_ATTEMPTS = 4
 """Tries of one download before its error is final: object stores fail now and then."""
 FIRST_PAUSE_S = 0.05
 """Pause before the second try; each later one doubles it."""
-PREFETCH_THREADS = 2
+FETCH_THREADS = 2
+"""Downloads at once for reads waiting now, and as many again for shards fetched ahead of need."""
 
 
 class ShardCache:
-    """Shards of one corpus as local files, at most ``cache_bytes`` of them (see the module docstring)."""
+    """Shards of one corpus as local files in ``folder``, at most ``cache_bytes`` of them (see
+    the module docstring). The cache owns ``folder``: ``close`` removes it, and so does the
+    garbage collector or the end of the process, whichever comes first."""
 
     def __init__(self, store: ShardStore, index: ShardIndex, folder: Path, cache_bytes: int) -> None:
         largest = max((s.tokens for s in index.shards), default=0) * index.element.itemsize
@@ -46,22 +55,51 @@ class ShardCache:
             raise DataSourceError(
                 f"data.cache_bytes = {cache_bytes} cannot hold one shard of {store.url} ({largest} bytes); raise "
                 f"data.cache_bytes to at least {2 * largest} (two shards: one read, one fetched ahead)")
-        self.store, self.index, self.folder, self.cache_bytes = store, index, folder, cache_bytes
+        self.store, self.index, self.cache_bytes = store, index, cache_bytes
+        self._start_in_this_process(folder)
+
+    def _start_in_this_process(self, folder: Path) -> None:
+        """Empty bookkeeping, threads and a lock of this process's own, for ``folder``."""
+        self.folder = folder
+        self._owner = os.getpid()
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
+        self._ahead = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="meshyard-shards-ahead")
+        self._now = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="meshyard-shards-now")
+        self._remove = weakref.finalize(self, remove_folder, folder, self._owner)
         self.fetches = 0  # downloads done, retries included: what tests and stall reports count
+        self.fetched_bytes = 0  # bytes those downloads brought
 
-    def prefetch(self, entries: Iterable[ShardEntry]) -> None:
-        """Start fetching ``entries`` not yet here, in the background."""
+    def _here(self) -> None:
+        """Start a cache of this process's own when it is not the one that made this one: a
+        loader worker forked (or unpickled) from its rank inherits the rank's bookkeeping,
+        but none of its threads, and must not delete files the rank reads."""
+        if self._owner != os.getpid():
+            self._start_in_this_process(new_reader_folder(self.folder))
+
+    def close(self) -> None:
+        """Wait for fetches under way, then remove the cache's folder and what it holds."""
+        if self._owner == os.getpid():  # else this process never used its copy
+            for pool in (self._ahead, self._now):
+                pool.shutdown(wait=True, cancel_futures=True)
+            self._remove()
+
+    def prefetch(self, entries: Iterable[ShardEntry], now: bool = False) -> None:
+        """Start fetching ``entries`` not yet here, in the background; ``now``: a read waits
+        for them (see ``_future``)."""
+        self._here()
         for entry in entries:
-            self._future(entry)
+            self._future(entry, now)
 
     def get(self, entry: ShardEntry) -> np.ndarray:
         """The shard's tokens, fetched first when they are not here (waiting for a prefetch under way)."""
+        self._here()
         while True:
-            self._future(entry).result()
+            try:
+                self._future(entry, now=True).result()
+            except CancelledError:  # moved ahead of the queue by another read meanwhile
+                continue
             with self._lock:
                 if entry.name in self._resident:  # else a fetch for another read evicted it meanwhile
                     self._resident.move_to_end(entry.name)
@@ -74,15 +112,22 @@ class ShardCache:
         largest = max(s.tokens for s in self.index.shards) * self.index.element.itemsize
         return max(1, self.cache_bytes // max(largest, 1))
 
-    def _future(self, entry: ShardEntry) -> Future:
+    def _future(self, entry: ShardEntry, now: bool = False) -> Future:
+        """The fetch of ``entry``, started if need be. Fetches ahead of need queue on threads
+        of their own, so a read waits only for its own shards (``now``): one still queued
+        there is taken out and fetched at once."""
         with self._lock:
             if entry.name in self._resident:
                 done: Future = Future()
                 done.set_result(None)
                 return done
-            if entry.name not in self._pending:
-                self._pending[entry.name] = self._pool.submit(self._fetch, entry)
-            return self._pending[entry.name]
+            pending = self._pending.get(entry.name)
+            if pending is not None and now and pending.cancel():
+                pending = None
+            if pending is None:
+                pending = (self._now if now else self._ahead).submit(self._fetch, entry)
+                self._pending[entry.name] = pending
+            return pending
 
     def _fetch(self, entry: ShardEntry) -> None:
         try:
@@ -96,7 +141,8 @@ class ShardCache:
                         f"corpus again with 'meshyard data prepare SOURCE --out {self.store.url}'")
             with self._lock:
                 self._make_room(len(data))
-                write_atomically(self.folder / entry.name, data)
+                # Into the folder as it is: after ``close`` it is gone, and stays gone.
+                write_atomically(self.folder / entry.name, data, make_parent=False)
                 self._resident[entry.name] = len(data)
         finally:
             with self._lock:
@@ -105,9 +151,14 @@ class ShardCache:
     def _download(self, entry: ShardEntry) -> bytes:
         for attempt in range(FETCH_ATTEMPTS):
             try:
-                self.fetches += 1
-                return self.store.read(entry.name)
+                data = self.store.read(entry.name)
+                with self._lock:  # fetches run on several threads
+                    self.fetches += 1
+                    self.fetched_bytes += len(data)
+                return data
             except OSError as exc:
+                with self._lock:
+                    self.fetches += 1
                 if attempt == FETCH_ATTEMPTS - 1:
                     raise DataSourceError(
                         f"shard {entry.name} of {self.store.url} could not be fetched in {FETCH_ATTEMPTS} tries "
@@ -122,17 +173,15 @@ class ShardCache:
             (self.folder / name).unlink(missing_ok=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Loader worker processes get their own threads, lock and record of files.
+        # A copy in a loader worker process starts a cache of its own at its first read (``_here``).
         state = self.__dict__.copy()
-        for key in ("_lock", "_pool", "_pending"):
+        for key in ("_lock", "_ahead", "_now", "_pending", "_remove", "_resident"):
             del state[key]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="meshyard-shards")
-        self._pending = {}
+        self._owner = -1  # no process's: the first read makes it this process's
 
 
 class ShardedTokens:
@@ -148,6 +197,10 @@ class ShardedTokens:
 
     def __len__(self) -> int:
         return self.length
+
+    def close(self) -> None:
+        """Remove the local cache (``ShardCache.close``); reading again is an error."""
+        self.cache.close()
 
     def head(self, count: int) -> ShardedTokens:
         """The first ``count`` tokens, still fetched only when read."""
@@ -176,7 +229,7 @@ class ShardedTokens:
         owner = np.searchsorted(self.starts, positions, side="right") - 1
         numbers = np.unique(owner).tolist()
         # The shards of this read in parallel, as many as the cache holds at once.
-        self.cache.prefetch(self.shards[k] for k in numbers[: self.cache.capacity])
+        self.cache.prefetch((self.shards[k] for k in numbers[: self.cache.capacity]), now=True)
         for k in numbers:  # one shard in memory at a time: the cache may hold fewer than a read spans
             here = owner == k
             out[here] = self.cache.get(self.shards[k])[positions[here] - self.starts[k]]
@@ -189,6 +242,5 @@ def open_shards(url: str, storage_options: dict[str, Any], cache_dir: Path, cach
     index = store.read_index()
     parent = cache_dir / "shards" / digest(index.to_json().encode())[:20]
     parent.mkdir(parents=True, exist_ok=True)
-    # A folder of this process's own: ranks on one machine each keep the budget they account for.
-    folder = Path(tempfile.mkdtemp(dir=parent, prefix="reader-"))
-    return ShardedTokens(ShardCache(store, index, folder, cache_bytes))
+    remove_abandoned(parent)  # the folders of killed readers
+    return ShardedTokens(ShardCache(store, index, new_reader_folder(parent), cache_bytes))

@@ -118,6 +118,9 @@ class ShardStore:
         self.fs.pipe_file(tmp, data)
         self.fs.mv(tmp, self.path(name))
 
+    def remove(self, name: str) -> None:
+        self.fs.rm_file(self.path(name))
+
     def read_index(self) -> ShardIndex:
         try:
             text = self.read(INDEX_NAME).decode("utf-8")

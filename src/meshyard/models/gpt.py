@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshyard.models.decode_graph import DecodeGraph
 from meshyard.models.gpt_decoding import GPTDecoder
 from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex
 from meshyard.models.moe import GroupedExperts, MoEFeedForward, MoEShape
@@ -52,6 +53,11 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal scaled dot-product attention of (B, heads, T, head_dim) queries, keys and values."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
@@ -62,6 +68,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model, bias=shape.bias)
         self.proj = nn.Linear(shape.d_model, shape.d_model, bias=shape.bias)
         self.resid_dropout = nn.Dropout(shape.dropout)
+        # How the attention of whole sequences is computed; context parallelism replaces it
+        # with a ring over the ranks that hold the rest of each sequence.
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, cache: tuple[CacheStep, int] | None = None) -> torch.Tensor:
         """Causal attention over ``x``; with ``cache`` = (step, layer index), over what the
@@ -72,9 +81,7 @@ class CausalSelfAttention(nn.Module):
         # across tensor-parallel ranks and each rank holds only some of them.
         q, k, v = (t.view(batch, seq, -1, x.shape[-1] // self.n_head).transpose(1, 2) for t in (q, k, v))
         if cache is None:
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )
+            y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         else:
             y = cache[0].attend(cache[1], q, k, v)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
@@ -184,6 +191,9 @@ class GPT(nn.Module):
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, slots: SlotIndex | None,
                         positions: SlotIndex | None) -> torch.Tensor:
         """The forward of new tokens against a KV cache (one step of incremental decoding)."""
+        if (cache.every_slot_steps and self._decoder is not None and tokens.shape[1] == 1 and positions is None
+                and not self.training):
+            return self._decode_every_slot(tokens, cache, slots)
         step = cache.begin(slots, positions, tokens.shape[1])
         if self._decoder is not None and tokens.shape[1] == 1 and not step.fresh and not self.training:
             return self._decoder(tokens, step)  # the same step without module calls
@@ -191,3 +201,14 @@ class GPT(nn.Module):
         for index, block in enumerate(self.blocks):
             x = block(x, (step, index))
         return self.lm_head(self.ln_f(x))
+
+    def _decode_every_slot(self, tokens: torch.Tensor, cache: KVCache, slots: SlotIndex | None) -> torch.Tensor:
+        """A decoding step computed over every slot of ``cache`` in fixed shapes, replayed from a
+        CUDA graph on a GPU (see ``KVCache.every_slot_steps``); logits (B, 1, vocab) of the rows."""
+        slot_ids = torch.as_tensor(range(cache.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
+        positions, stepped = cache.begin_every_slot(slot_ids)
+        if not isinstance(cache.step_graph, DecodeGraph):
+            decoder = self._decoder
+            cache.step_graph = DecodeGraph(lambda *inputs: decoder.every_slot(*inputs, cache), cache)
+        logits = cache.step_graph(tokens[:, 0], slot_ids, positions, stepped)
+        return logits.view(tokens.shape[0], 1, -1)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshyard.models.kv_cache import CacheStep
+from meshyard.models.kv_cache import CacheStep, KVCache
 
 # The torch layers the decoder computes by hand; any other layer anywhere in the model (an
 # int8 linear, a user's replacement) means it does not know that layer's function.
@@ -116,3 +116,33 @@ class GPTDecoder:
             hidden = F.gelu(F.linear(block.ln_2(x), *block.fc), approximate="tanh")
             x = x + F.linear(hidden, *block.mlp_proj)
         return F.linear(self.ln_f(x), *self.lm_head).view(batch, 1, -1)
+
+    def every_slot(self, tokens: torch.Tensor, positions: torch.Tensor, stepped: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        """Logits [slots, vocab] of one new token in every slot of ``cache``: ``tokens`` [slots]
+        at ``positions`` [slots], each attending to its slot up to its position; only the slots
+        where ``stepped`` [slots] (bool) is true keep their new keys and values, the others are
+        left as they were. All on the cache's device. Every shape is the cache's, whatever rows
+        a step asks for, and nothing here reads a tensor back to the host: the step a CUDA graph
+        captures (``models.decode_graph``)."""
+        count, width = tokens.shape[0], self.tok_emb.shape[1]
+        head_dim = width // self.n_head
+        everyone = torch.arange(count, device=tokens.device)
+        keep = stepped.view(count, 1, 1, 1)
+        # [slots, 1, 1, max_length]: each slot sees its positions up to the new token's.
+        visible = torch.arange(cache.max_length, device=tokens.device) <= positions[:, None]
+        mask = torch.zeros(visible.shape, dtype=cache.dtype, device=tokens.device)
+        mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None]
+        x = F.embedding(tokens, self.tok_emb) + F.embedding(positions, self.pos_emb)
+        for index, block in enumerate(self.blocks):
+            qkv = F.linear(block.ln_1(x), *block.qkv)
+            kv = qkv[:, width:].view(count, 2, self.n_head, head_dim).to(cache.dtype)
+            stored = cache.by_position[index]
+            stored.index_put_((everyone, positions), torch.where(keep, kv, stored[everyone, positions]))
+            q = qkv[:, :width].view(count, self.n_head, 1, head_dim)
+            attended = F.scaled_dot_product_attention(q, cache.keys[index].to(q.dtype),
+                                                      cache.values[index].to(q.dtype), attn_mask=mask.to(q.dtype))
+            x = x + F.linear(attended.reshape(count, width), *block.attn_proj)
+            hidden = F.gelu(F.linear(block.ln_2(x), *block.fc), approximate="tanh")
+            x = x + F.linear(hidden, *block.mlp_proj)
+        return F.linear(self.ln_f(x), *self.lm_head)

@@ -108,6 +108,27 @@ class CacheStep:
         return output if self.order is None else output[self.order]
 
 
+# CUDA's memory-efficient attention reads an attention mask in 16-byte vectors from its first
+# element and checks only the mask's strides, not where it starts: a view that starts
+# mid-vector fails with "misaligned address".
+CUDA_MASK_ALIGNMENT_BYTES = 16
+
+
+def last_columns(wide: torch.Tensor, span: int, *, align: bool | None = None) -> torch.Tensor:
+    """The last ``span`` columns of a step's wide mask, as attention reads them. A view where
+    that is safe; on CUDA (``align`` None: decided by the mask's device) a copy whose start and
+    row strides are 16-byte aligned when the view's would not be (one small copy per group and
+    step, shared by all layers)."""
+    view = wide[..., -span:]
+    if not (wide.device.type == "cuda" if align is None else align):
+        return view
+    per_vector = CUDA_MASK_ALIGNMENT_BYTES // view.element_size()
+    if view.storage_offset() % per_vector == 0 and wide.shape[-1] % per_vector == 0:
+        return view
+    padded = view.new_empty(*view.shape[:-1], -(-span // per_vector) * per_vector)
+    return padded[..., :span].copy_(view)
+
+
 @dataclass(frozen=True)
 class _DecodePlan:
     """The last decoding step: its rows' slots (a list, and on the CPU), ends (on the CPU),
@@ -182,6 +203,13 @@ class KVCache:
         self._free = list(range(batch_slots))
         self._arange = torch.arange(max_length, device=self.device)  # positions, for the masks
         self._plan: _DecodePlan | None = None  # the last decoding step, reused by the next one over its slots
+        # On a GPU a decoding step's host work (tens of kernel launches per layer) outweighs its
+        # matrix work: there a model may compute every slot at once in fixed shapes
+        # (``begin_every_slot``), which a CUDA graph replays; on a CPU reading only the rows'
+        # spans (``begin``) is faster. Settable, e.g. to check the two agree.
+        self.every_slot_steps = self.device.type == "cuda"
+        # Where a model keeps its captured step for this cache (it holds this cache's tensors).
+        self.step_graph: object | None = None
 
     @property
     def bytes(self) -> int:
@@ -239,6 +267,20 @@ class KVCache:
         self._plan = _DecodePlan(slot_list, slot_ids, ends, longest, step) if n_new == 1 and not step.fresh else None
         return step
 
+    def begin_every_slot(self, slots: SlotIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a decoding step that appends one token to each of ``slots`` and computes every
+        slot of the cache (see ``every_slot_steps``): the position each slot's token takes and
+        whether the slot is stepped, both [batch_slots] on the CPU. The other slots are computed
+        at their next position (the last one when full) and neither written nor lengthened."""
+        slot_ids = torch.as_tensor(slots, dtype=torch.long).cpu()
+        self._check(slot_ids, self.lengths[slot_ids], 1)
+        positions = self.lengths.clamp(max=self.max_length - 1)
+        stepped = torch.zeros(self.batch_slots, dtype=torch.bool)
+        stepped[slot_ids] = True
+        self.lengths[slot_ids] += 1
+        self._plan = None
+        return positions, stepped
+
     def _continues(self, plan: _DecodePlan, slots: SlotIndex | None, positions: SlotIndex | None) -> bool:
         """Whether a decoding step over ``slots`` from ``positions`` is the one after ``plan``:
         the same rows, each starting where the plan's step ended, with room for one more token.
@@ -277,7 +319,7 @@ class KVCache:
             width = self.max_length if n_new == 1 else span
             aligned = self._mask(span, token_positions, rows, width) if masked else None
             groups.append(SlotGroup(rows, slice(first, first + b - a), span,
-                                    None if aligned is None else aligned[..., -span:], aligned))
+                                    None if aligned is None else last_columns(aligned, span), aligned))
         order = None if in_order else torch.argsort(by_slot).to(self.device)
         return CacheStep(self, device_slots, token_positions, False, tuple(groups), order, targets)
 
@@ -287,12 +329,12 @@ class KVCache:
         by the same one position per row whatever the split, so the cheapest split stays the
         cheapest, and rows of equal length stay equal. A group's mask is one column wider: each
         row and the span grow together, so the masked positions past a row's end are as many as
-        before and the mask, aligned on its last column, is the same (a view of ``aligned_mask``).
+        before and the mask, aligned on its last column, is the same (``aligned_mask``'s last columns).
         Only the positions are a new tensor."""
         positions = step.positions + 1
         groups = tuple(SlotGroup(group.rows, group.slots, group.span + 1,
-                                 None if group.aligned_mask is None else group.aligned_mask[..., -(group.span + 1):],
-                                 group.aligned_mask)
+                                 None if group.aligned_mask is None
+                                 else last_columns(group.aligned_mask, group.span + 1), group.aligned_mask)
                        for group in step.groups)
         return CacheStep(self, step.slots, positions, False, groups, step.order, (step.targets[0], positions))
 

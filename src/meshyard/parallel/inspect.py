@@ -9,7 +9,8 @@ cannot drift apart:
   ``parallel.fsdp_units`` that the model lacks) and ``units.ac_problems`` (nothing to
   checkpoint);
 - tensor parallel: ``tp_plans.tp_problems`` (no plan; heads or widths not divisible);
-- pipeline: ``pipeline.pp_problems`` (cannot be cut or traced, fewer blocks than stages).
+- pipeline: ``pipeline.pp_problems`` (cannot be cut or traced, fewer blocks than stages);
+- context parallel: ``context_parallel.cp_problems`` (attention the ring cannot take over).
 
 Every answer is one line naming the fix; the caller joins them into its one message.
 """
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from meshyard.config.sections import ParallelConfig
+from meshyard.parallel.context_parallel import cp_problems
 from meshyard.parallel.pipeline import pp_problems
 from meshyard.parallel.tp_plans import tp_problems
 from meshyard.parallel.units import ac_problems, unit_problems
@@ -39,6 +41,8 @@ def layout_problems(model: nn.Module, cfg: ParallelConfig, dims: ParallelDims,
     (meshyard's GPT, whose shape the config holds): only the units are inspected.
     """
     problems = [*unit_problems(model, cfg.fsdp_units), *ac_problems(model, cfg.ac, cfg.fsdp_units)]
+    if dims.cp > 1:
+        problems.extend(cp_problems(model, dims.cp))
     if shape_checked:
         return problems
     if dims.tp > 1:

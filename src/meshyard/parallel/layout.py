@@ -30,7 +30,7 @@ class Layout:
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> "Layout":
         """Degrees left at 0 in ``cfg`` filled from the strategy and the world size
         (``ParallelDims.resolve``; raises ``ParallelDimsError`` when they do not fit)."""
-        dims = ParallelDims.resolve(cfg.strategy, world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp,
+        dims = ParallelDims.resolve(cfg.strategy, world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp,
                                     cfg.ep)
         return cls(cfg, dims)
 
@@ -58,11 +58,11 @@ class Layout:
     @property
     def data_parallel(self) -> str:
         """The wrapper data parallelism uses: 'fsdp' (FSDP2, sharding or replicating),
-        'ddp' (DistributedDataParallel, also under ZeRO-1) or 'none' (one data-parallel rank
-        and no FSDP)."""
+        'ddp' (DistributedDataParallel, also under ZeRO-1; over dp_replicate x cp) or 'none' (one
+        data-parallel rank, no context-parallel ranks to reduce gradients over, and no FSDP)."""
         if (self.cfg.strategy == "fsdp" and not self.shards_nothing) or self.replicates_with_fsdp:
             return "fsdp"
-        if self.cfg.strategy in ("ddp", "zero1") and self.dims.dp_replicate > 1:
+        if self.cfg.strategy in ("ddp", "zero1") and self.dims.dp_replicate * self.dims.cp > 1:
             return "ddp"
         return "none"
 
@@ -117,6 +117,11 @@ class Layout:
         return self.data_parallel == "none" and self.dims.tp == 1 and not self.pipelined
 
     @property
+    def context_parallel(self) -> bool:
+        """Each sequence is split over the ``cp`` ranks, whose attention runs as a ring."""
+        return self.dims.cp > 1
+
+    @property
     def pipelined(self) -> bool:
         """A pipeline schedule drives the step (``train.pipeline_step.PipelineStep``)."""
         return self.dims.pp > 1
@@ -144,5 +149,5 @@ class Layout:
         """The layout as recorded in run.json (manifests keep the data-parallel part)."""
         dims = self.dims
         return {"strategy": self.cfg.strategy, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "activation_checkpointing": self.cfg.ac,
+                "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "activation_checkpointing": self.cfg.ac,
                 "cpu_offload": self.effective_cfg.cpu_offload}

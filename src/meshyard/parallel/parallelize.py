@@ -13,6 +13,7 @@ from meshyard.comm.registry import attach_compression
 from meshyard.config.sections import CommConfig
 from meshyard.parallel.activation_checkpoint import apply_ac
 from meshyard.parallel.compile import Compilation, apply_compile
+from meshyard.parallel.context_parallel import SequenceSplit, apply_cp
 from meshyard.parallel.data_parallel import apply_ddp, apply_fsdp
 from meshyard.parallel.expert_parallel import apply_ep
 from meshyard.parallel.layout import Layout
@@ -36,6 +37,8 @@ class Parallelized(NamedTuple):
     layout: Layout
     compilation: Compilation = Compilation()
     """What ``parallelize`` compiled (nothing unless it was given a ``compilation``)."""
+    sequence: SequenceSplit | None = None
+    """This rank's share of each sequence under context parallelism (None without it)."""
 
 
 def parallelize(
@@ -54,7 +57,8 @@ def parallelize(
 
     Order: pipeline split (each rank keeps its stages; every stage then goes through the
     rest as a model of its own, with ``layout.stage_layout()``), expert parallel (expert
-    weights become DTensors on the ``ep`` mesh, tokens go all-to-all), tensor parallel
+    weights become DTensors on the ``ep`` mesh, tokens go all-to-all), context parallel
+    (attention becomes a ring over the ``cp`` ranks; parameters untouched), tensor parallel
     (parameters become DTensors on the ``tp`` mesh), activation checkpointing (wraps
     block forwards, so it sees the TP modules), compilation of each block when
     ``compilation`` is given (it records what it compiled), then data parallelism, outermost,
@@ -78,8 +82,10 @@ def parallelize(
                                                                reduce_fp32, units, log, compilation))
         return Parallelized(pipelined, attach_compression(pipelined, comm, hook_wrapper), layout,
                             compilation or Compilation())
+    sequence = apply_cp(model, mesh["cp"]) if layout.context_parallel else None
     model = _parallelize_whole(model, layout, mesh, compute_dtype, reduce_fp32, units, log, compilation)
-    return Parallelized(model, attach_compression(model, comm, hook_wrapper), layout, compilation or Compilation())
+    return Parallelized(model, attach_compression(model, comm, hook_wrapper), layout, compilation or Compilation(),
+                        sequence)
 
 
 def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compute_dtype: torch.dtype,
@@ -98,8 +104,7 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
     if compilation is not None:
         model = apply_compile(model, compilation, units)
     if layout.data_parallel == "fsdp":
-        # HSDP: replicate over dp_replicate and shard over dp_shard in one 2-D mesh.
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        dp_mesh = _fsdp_mesh(mesh, layout)
         low_precision = compute_dtype if compute_dtype != torch.float32 else None
         reduce_dtype = torch.float32 if (low_precision and reduce_fp32) else None
         return apply_fsdp(model, dp_mesh, cfg.reshard_after_forward, low_precision, reduce_dtype,
@@ -107,9 +112,30 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
                           unit_names=units, log=log, cpu_offload=cfg.cpu_offload,
                           **_expert_sharding(layout, mesh))
     if layout.data_parallel == "ddp":
-        return apply_ddp(model, mesh["dp_replicate"], cfg.bucket_mb,
+        return apply_ddp(model, _ddp_mesh(mesh, layout), cfg.bucket_mb,
                          gradient_as_bucket_view=cfg.gradient_as_bucket_view, static_graph=cfg.static_graph)
     return model
+
+
+def _fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """Where FSDP shards: over dp_shard, with dp_replicate as HSDP's replicas in one 2-D
+    mesh; under context parallelism over dp_shard x cp flattened, since the cp ranks
+    compute gradients of one model from different tokens (torchtitan's ``dp_shard_cp``)."""
+    dims = layout.dims
+    if not layout.context_parallel:
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    if dims.dp_replicate == 1:
+        return flat
+    return flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp"))
+
+
+def _ddp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """Where DDP averages gradients: the replicas, and under context parallelism their cp
+    ranks too (dp_shard is 1 under DDP)."""
+    if not layout.context_parallel:
+        return mesh["dp_replicate"]
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
 
 
 def _expert_sharding(layout: Layout, mesh: DeviceMesh) -> dict[str, object]:

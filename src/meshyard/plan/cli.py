@@ -87,6 +87,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                              "(fsdp3), false ZeRO-2 (fsdp2)")
     search.add_argument("--tp", help="tensor-parallel degrees, e.g. 1,2,4")
     search.add_argument("--pp", help="pipeline-parallel degrees, e.g. 1,2")
+    search.add_argument("--cp", help="context-parallel degrees, e.g. 1,2,4 (parallel.cp: each sequence split over "
+                                     "cp ranks; default 1, since only long sequences need it)")
     search.add_argument("--micro-batch", help="micro-batch sizes (samples per rank per forward)")
     search.add_argument("--ac", help="activation checkpointing: none, selective (every other block), full")
     search.add_argument("--offload", choices=("auto", "on", "off"), default="auto",

@@ -22,6 +22,10 @@ The model, in the order a step runs (every term is a line of ``StepEstimate.item
   micro-batch (meshyard accumulates unsharded before that); HSDP adds an all-reduce of
   the shard across replicas. Overlap hides at most ``overlap x`` the compute it runs
   beside.
+- context parallelism: per block and micro-batch, the ring passes the keys and values
+  (2 x t x d x c bytes) ``cp - 1`` times in forward and again in backward, where their
+  fp32 gradients travel ``cp`` hops too; each hop overlaps one block pair's attention,
+  so only what attention's share of compute cannot hide is exposed.
 - optimizer: memory-bound; each parameter the rank updates reads and writes its value,
   gradient and states once at the device's memory bandwidth. CPU offload moves the
   update to host memory bandwidth and adds PCIe copies of parameters and gradients.
@@ -80,7 +84,7 @@ class StepEstimate:
         return sum(i.seconds for i in self.items if i.exposed and i.name in _COMM_ITEMS)
 
 
-_COMM_ITEMS = ("tp comm", "pp transfers", "dp comm (exposed)", "zero-1 all-gather", "offload copies")
+_COMM_ITEMS = ("tp comm", "cp ring", "pp transfers", "dp comm (exposed)", "zero-1 all-gather", "offload copies")
 
 DEFAULT_OVERLAP = 0.9
 """Fraction of concurrent compute that hides communication (collectives share the GPU)."""
@@ -93,10 +97,12 @@ class _MicroBatch:
     recompute: float
     tp: float
     p2p: float
+    cp: float = 0.0
+    """The ring's exposed transfer time (context parallelism)."""
 
     @property
     def slot(self) -> float:
-        return self.forward + self.backward + self.recompute + self.tp + self.p2p
+        return self.forward + self.backward + self.recompute + self.tp + self.p2p + self.cp
 
 
 def _micro_batch(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement) -> _MicroBatch:
@@ -122,7 +128,24 @@ def _micro_batch(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster
         # Activation sent forward, its gradient back; the interleaved schedule sends v times.
         sends = 2 * (layout.pp_virtual if layout.pp_schedule == "interleaved" else 1)
         p2p = sends * p2p_time(cluster, act_bytes / (tp if layout.sequence_parallel else 1), mesh.pp_crosses_nodes)
-    return _MicroBatch(forward=forward, backward=2 * forward, recompute=recompute, tp=tp_time, p2p=p2p)
+    cp = _ring_time(desc, layout, cluster, layers, rate) if layout.cp > 1 else 0.0
+    return _MicroBatch(forward=forward, backward=2 * forward, recompute=recompute, tp=tp_time, p2p=p2p, cp=cp)
+
+
+def _ring_time(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, layers: int, rate: float) -> float:
+    """Exposed seconds of the context-parallel ring per micro-batch: transfers of keys and
+    values (and in backward their fp32 gradients) beyond the attention they overlap.
+    The ring spans nodes when cp x tp ranks do not fit in one."""
+    t, cp, tp = layout.tokens_per_micro_batch, layout.cp, layout.tp
+    kv = 2 * t * desc.d_model * layout.precision.compute / tp
+    crosses = cp * tp > cluster.gpus_per_node
+    forward_hops, backward_hops = (cp - 1) * p2p_time(cluster, kv, crosses), (
+        (cp - 1) * p2p_time(cluster, kv, crosses) + cp * p2p_time(cluster, kv * 4 / layout.precision.compute, crosses))
+    # Attention's own FLOPs (the part of a block's that grows with the sequence), one hop's worth.
+    attention = (desc.layer_forward_flops_per_token(layout.seq_len) - desc.layer_forward_flops_per_token(0)) * t / tp
+    per_hop = attention / rate / cp
+    exposed = max(0.0, forward_hops - (cp - 1) * per_hop) + max(0.0, backward_hops - 2 * (cp - 1) * per_hop)
+    return layers * exposed
 
 
 def _pipeline_slots(layout: PlannedLayout) -> float:
@@ -136,7 +159,7 @@ def _pipeline_slots(layout: PlannedLayout) -> float:
 def _dp_items(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement,
               mb: _MicroBatch, overlap: float) -> list[TimeItem]:
     """Data-parallel communication: its total time, and what is left after overlap."""
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return []
     shapes = stage_shapes(desc, layout)
     psi = max(s.params for s in shapes)
@@ -176,7 +199,7 @@ def _sharded_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlaceme
     units = layers + 1
     gather = units * collective_time(cluster, "all_gather", prec.compute * psi / units, mesh.dp_shard)
     scatter = units * collective_time(cluster, "reduce_scatter", prec.grad * psi / units, mesh.dp_shard)
-    replicate = units * collective_time(cluster, "all_reduce", prec.grad * psi / layout.dp_shard / units,
+    replicate = units * collective_time(cluster, "all_reduce", prec.grad * psi / layout.shard_degree / units,
                                         mesh.dp_replicate)
     backward_gather = gather if layout.zero_stage == 3 else 0.0
     # Forward: every micro-batch gathers; only the first block's gather cannot overlap.
@@ -187,9 +210,9 @@ def _sharded_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlaceme
     last = backward_gather + scatter + replicate
     exposed += max(0.0, last - overlap * mb.backward) + (scatter + replicate) / units
     what = (f"{m} x {'2' if backward_gather else '1'} all-gathers of c*Psi + reduce-scatter of g*Psi over "
-            f"{layout.dp_shard}")
+            f"{layout.shard_degree}")
     if layout.dp_replicate > 1:
-        what += f" + all-reduce of g*Psi/{layout.dp_shard} over {layout.dp_replicate} replicas"
+        what += f" + all-reduce of g*Psi/{layout.shard_degree} over {layout.dp_replicate} replicas"
     total = m * (gather + backward_gather) + scatter + replicate
     return [TimeItem("dp comm", total, what, exposed=False),
             TimeItem("dp comm (exposed)", exposed,
@@ -220,7 +243,9 @@ def cluster_host_link(cluster: Cluster) -> float:
 def estimate_step(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster,
                   overlap: float = DEFAULT_OVERLAP) -> StepEstimate:
     """Predicted step time of ``layout`` on ``cluster`` (see the module docstring)."""
-    mesh = place_mesh(cluster, layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp)
+    # cp sits between dp_shard and tp: FSDP's shard group (and DDP's, with dp_shard = 1)
+    # spans dp_shard x cp contiguous ranks.
+    mesh = place_mesh(cluster, layout.dp_replicate, layout.dp_shard * layout.cp, layout.tp, layout.pp)
     mb = _micro_batch(desc, layout, cluster, mesh)
     slots = _pipeline_slots(layout)
     m = layout.grad_accum
@@ -232,6 +257,9 @@ def estimate_step(desc: ModelDescription, layout: PlannedLayout, cluster: Cluste
         items.append(TimeItem("recompute", m * mb.recompute, f"checkpointed blocks' forward again ({layout.ac})"))
     if mb.tp:
         items.append(TimeItem("tp comm", m * mb.tp, f"all-reduces of t x d x c over tp={layout.tp}, not overlapped"))
+    if mb.cp:
+        items.append(TimeItem("cp ring", m * mb.cp, f"keys and values round a ring of cp={layout.cp} per block, "
+                              "beyond the attention each hop overlaps"))
     if layout.pp > 1:
         items.append(TimeItem("pp transfers", m * mb.p2p, "activations forward and gradients back per micro-batch"))
         items.append(TimeItem("pipeline bubble", (slots - m) * mb.slot,

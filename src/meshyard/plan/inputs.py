@@ -221,6 +221,7 @@ def _request(args: argparse.Namespace, defaults: _Defaults, seq_len: int, strate
     return PlanRequest(
         global_batch=global_batch, seq_len=seq_len, precision=PRECISIONS[args.precision or defaults.precision],
         optimizer=args.optimizer or defaults.optimizer, strategies=strategies or STRATEGIES, tp=tp, pp=pp,
+        cp=_int_list(getattr(args, "cp", None), "--cp") or (1,),
         micro_batches=_int_list(args.micro_batch, "--micro-batch"),
         ac=_choice_list(args.ac, "--ac", AC_MODES) or AC_MODES,
         offload={"auto": (False, True), "on": (True,), "off": (False,)}[args.offload],

@@ -1,7 +1,7 @@
 """A candidate layout: how a job is spread over devices, and the bytes of each number.
 
 A ``PlannedLayout`` is what the planner varies: data-parallel degrees (replicated and
-sharded), the ZeRO stage, tensor and pipeline degrees, micro-batch and accumulation,
+sharded), the ZeRO stage, tensor, pipeline and context-parallel degrees, micro-batch and accumulation,
 activation checkpointing and CPU offload. ``PlanPrecision`` names the bytes per parameter
 of each model state, from which the ZeRO arithmetic follows.
 """
@@ -128,6 +128,10 @@ class PlannedLayout:
     """Model chunks per pipeline rank for the interleaved schedule."""
     bucket_mb: float = 25.0
     """DDP bucket size: the last bucket's all-reduce cannot overlap with backward."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over this many ranks (ring attention);
+    they read the same samples, so they are not data-parallel, but they reduce gradients
+    together (FSDP shards over dp_shard x cp)."""
 
     @property
     def dp(self) -> int:
@@ -136,7 +140,7 @@ class PlannedLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def zero_stage(self) -> int:
@@ -149,7 +153,7 @@ class PlannedLayout:
         if self.strategy == "zero1":
             return self.dp
         if self.strategy in ("fsdp2", "fsdp3", "hsdp"):
-            return self.dp_shard
+            return self.dp_shard * self.cp
         return 1
 
     @property
@@ -159,7 +163,8 @@ class PlannedLayout:
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens one rank runs per micro-batch: its share of each sequence under cp."""
+        return self.micro_batch * self.seq_len // self.cp
 
     @property
     def n_optimizer_states(self) -> int:
@@ -173,7 +178,8 @@ class PlannedLayout:
             dp = f"dp={self.dp_replicate}x{self.dp_shard}"
         else:
             dp = f"dp={self.dp}"
-        return f"{CONFIG_LABELS[self.strategy]} {dp} tp={self.tp} pp={self.pp}"
+        context = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"{CONFIG_LABELS[self.strategy]} {dp} tp={self.tp} pp={self.pp}{context}"
 
     def config_overrides(self) -> list[str]:
         """The settings that run this layout, as ``meshyard run`` takes them: the inverse of
@@ -188,6 +194,8 @@ class PlannedLayout:
             overrides.append(f"--parallel.tp={self.tp}")
         if self.pp > 1:
             overrides += [f"--parallel.pp={self.pp}", f"--parallel.pp_schedule={CONFIG_SCHEDULES[self.pp_schedule]}"]
+        if self.cp > 1:
+            overrides.append(f"--parallel.cp={self.cp}")
         if self.ac != "none":
             overrides.append(f"--parallel.ac={self.ac}")
         if self.offload:
@@ -200,7 +208,7 @@ class PlannedLayout:
         return replace(self, **changes)
 
 
-def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard: int = 0,
+def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard: int = 0, cp: int = 1,
                 **kwargs: object) -> PlannedLayout:
     """Build a layout from a strategy and a world size, deriving the data-parallel degrees.
 
@@ -210,9 +218,10 @@ def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard:
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"tp={tp} x pp={pp} does not divide {world_size} devices")
-    dp = world_size // (tp * pp)
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        raise ValueError(f"tp={tp} x pp={pp} x cp={cp} does not divide {world_size} devices")
+    dp = world_size // (tp * pp * cp)
+    kwargs["cp"] = cp
     if strategy == "none":
         if dp != 1:
             raise ValueError(f"strategy 'none' needs tp x pp = {world_size}, not {tp * pp}")

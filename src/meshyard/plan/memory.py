@@ -205,6 +205,11 @@ def buffer_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayou
         items.append(MemoryItem("tp collectives", 2 * act, "2 x t x d x a (gathered input, reduced output)"))
     if layout.pp > 1:
         items.append(MemoryItem("pp transfers", 2 * act, "2 x t x d x a (activation sent, gradient received)"))
+    if layout.cp > 1:
+        # Keys and values of the block being attended and of the one arriving (fp32 in the
+        # ring's arithmetic), and in backward their gradients travelling the other way.
+        ring = 2 * 2 * layout.tokens_per_micro_batch * desc.d_model * 4
+        items.append(MemoryItem("cp ring", 2 * ring, "2 x (k, v held + arriving) x t x d x 4 B, and their gradients"))
     return items
 
 

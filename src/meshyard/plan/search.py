@@ -34,6 +34,8 @@ class PlanRequest:
     """Tensor-parallel degrees to try; empty: powers of two up to a node."""
     pp: tuple[int, ...] = ()
     """Pipeline degrees to try; empty: powers of two up to the layer count."""
+    cp: tuple[int, ...] = (1,)
+    """Context-parallel degrees to try (only those asked for: they pay off for long sequences)."""
     micro_batches: tuple[int, ...] = ()
     """Micro-batch sizes to try; empty: every power of two dividing the per-rank batch."""
     ac: tuple[str, ...] = AC_MODES
@@ -81,12 +83,12 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def structural_problem(desc: ModelDescription, cluster: Cluster, strategy: str, tp: int, pp: int,
-                       request: PlanRequest) -> str | None:
-    """Why (strategy, tp, pp) cannot run at all on this cluster and model, or None."""
+                       request: PlanRequest, cp: int = 1) -> str | None:
+    """Why (strategy, tp, pp, cp) cannot run at all on this cluster and model, or None."""
     n = cluster.n_gpus
-    if n % (tp * pp):
-        return f"tp x pp = {tp * pp} does not divide {n} GPUs"
-    dp = n // (tp * pp)
+    if n % (tp * pp * cp):
+        return f"tp x pp x cp = {tp * pp * cp} does not divide {n} GPUs"
+    dp = n // (tp * pp * cp)
     if strategy == "zero1" and (tp > 1 or pp > 1):
         return "zero1 runs without tensor and pipeline parallelism in meshyard; fsdp shards alongside them"
     if tp > 1 and not desc.tp_capable:
@@ -144,8 +146,8 @@ def _better(step: StepEstimate, memory: MemoryEstimate, best: Candidate) -> bool
     return ours >= theirs * 0.995 and memory.peak_bytes < best.memory.peak_bytes
 
 
-def _family_label(strategy: str, tp: int, pp: int, dp: int) -> str:
-    return f"{CONFIG_LABELS[strategy]} dp={dp} tp={tp} pp={pp}"
+def _family_label(strategy: str, tp: int, pp: int, dp: int, cp: int = 1) -> str:
+    return f"{CONFIG_LABELS[strategy]} dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")
 
 
 
@@ -156,34 +158,49 @@ def plan(desc: ModelDescription, cluster: Cluster, request: PlanRequest) -> Plan
     result = PlanResult(usable_bytes=usable)
     tps = request.tp or tuple(_powers_of_two(2 * cluster.gpus_per_node))
     pps = request.pp or tuple(_powers_of_two(min(desc.n_layer, cluster.n_gpus)))
-    for strategy in request.strategies:
-        for tp in tps:
-            for pp in pps:
-                if cluster.n_gpus % (tp * pp):
-                    continue  # not a layout of this many GPUs at all
-                dp = cluster.n_gpus // (tp * pp)
-                if redundant(strategy, dp, _hsdp_shard(cluster, tp)):
-                    continue
-                problem = structural_problem(desc, cluster, strategy, tp, pp, request)
-                if problem:
-                    result.rejected.append(Rejection(_family_label(strategy, tp, pp, dp), problem))
-                    continue
-                _plan_family(desc, cluster, request, strategy, tp, pp, usable, result)
+    families = [(strategy, tp, pp, cp) for strategy in request.strategies for tp in tps for pp in pps
+                for cp in request.cp]
+    for strategy, tp, pp, cp in families:
+        if cluster.n_gpus % (tp * pp * cp):
+            continue  # not a layout of this many GPUs at all
+        dp = cluster.n_gpus // (tp * pp * cp)
+        # Under cp, ddp and fsdp reduce gradients over the cp ranks even with dp = 1.
+        if redundant(strategy, dp, _hsdp_shard(cluster, tp * cp)) and (cp == 1 or strategy in ("none", "hsdp")):
+            continue
+        problem = (structural_problem(desc, cluster, strategy, tp, pp, request, cp)
+                   or _cp_problem(strategy, pp, cp, request.seq_len))
+        if problem:
+            result.rejected.append(Rejection(_family_label(strategy, tp, pp, dp, cp), problem))
+            continue
+        _plan_family(desc, cluster, request, strategy, tp, pp, usable, result, cp)
     result.feasible.sort(key=lambda c: -c.step.tokens_per_second)
     result.rejected.sort(key=lambda r: (r.needed_bytes == 0, r.needed_bytes))
     return result
 
 
+def _cp_problem(strategy: str, pp: int, cp: int, seq_len: int) -> str | None:
+    """What parallel.cp needs of the rest of the layout (``config.checks`` says the same)."""
+    if cp == 1:
+        return None
+    if strategy not in ("ddp", "fsdp2", "fsdp3", "hsdp"):
+        return f"cp={cp} needs gradients reduced over its ranks: ddp or fsdp, not {CONFIG_LABELS[strategy]}"
+    if pp > 1:
+        return f"cp={cp} does not combine with pp={pp}"
+    if seq_len % (2 * cp):
+        return f"seq_len {seq_len} is not divisible by 2 x cp = {2 * cp}"
+    return None
+
+
 def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest, strategy: str, tp: int, pp: int,
-                 usable: float, result: PlanResult) -> None:
-    """Add the fastest variant of (strategy, tp, pp) that fits, or why none does."""
-    dp = cluster.n_gpus // (tp * pp)
+                 usable: float, result: PlanResult, cp: int = 1) -> None:
+    """Add the fastest variant of (strategy, tp, pp, cp) that fits, or why none does."""
+    dp = cluster.n_gpus // (tp * pp * cp)
     per_rank = request.global_batch // dp
     best: Candidate | None = None
     closest: tuple[MemoryEstimate, PlannedLayout] | None = None
     for ac, offload, mb in _variants(request, per_rank, strategy):
         layout = make_layout(
-            strategy, cluster.n_gpus, tp=tp, pp=pp, shard=_hsdp_shard(cluster, tp),
+            strategy, cluster.n_gpus, tp=tp, pp=pp, cp=cp, shard=max(1, _hsdp_shard(cluster, tp * cp)),
             micro_batch=mb, grad_accum=per_rank // mb, seq_len=request.seq_len, precision=request.precision,
             optimizer=request.optimizer, ac=ac, offload=offload, sequence_parallel=request.sequence_parallel,
             pp_schedule=request.pp_schedule, pp_virtual=request.pp_virtual,
@@ -196,7 +213,7 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
         step = estimate_step(desc, layout, cluster, overlap=request.overlap)
         if best is None or _better(step, memory, best):
             best = Candidate(layout, memory, step)
-    label = _family_label(strategy, tp, pp, dp)
+    label = _family_label(strategy, tp, pp, dp, cp)
     if best is not None:
         result.feasible.append(best)
     elif closest is not None:

@@ -281,7 +281,8 @@ def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization
     if not layout.pipelined:
         return MicroBatchStep(model, precision, device, observers.timer, loss_parallel=layout.loss_parallel,
                               compilation=whole_model_compile or parallelized.compilation,
-                              compile_whole=whole_model_compile is not None, report=observers.report)
+                              compile_whole=whole_model_compile is not None, report=observers.report,
+                              sequence=parallelized.sequence)
     tied_group = tied_weight_group(mesh) if model.tied else None
     return PipelineStep(model, mesh["pp"].get_group(), layout.cfg.pp_schedule, layout.microbatches, precision,
                         device, tied_group, parallelized.compilation)

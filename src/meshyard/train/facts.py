@@ -64,6 +64,7 @@ class RunFacts:
     data: str
     train_samples: int
     memory_capacity_bytes: int
+    cp: int = 1  # context-parallel degree: ranks splitting each sequence
     tokenizer_file: str = ""  # the subword tokenizer the text was tokenized with, copied into the run directory
     throughput: Throughput | None = None
     resumed_from: Resumed | None = None

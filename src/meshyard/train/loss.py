@@ -18,6 +18,7 @@ inside loss_parallel().
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -39,6 +40,24 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
         with torch.autocast(logits.device.type, enabled=False):
             return F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=IGNORE_INDEX)
     return chunked_cross_entropy(flat_logits, flat_targets)
+
+
+def split_sequence_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup,
+                        ranks: int) -> torch.Tensor:
+    """The loss of this rank's tokens when each sequence is split over the ``ranks`` of
+    ``group`` (context parallelism): the sum of their token losses over the token count of
+    the whole sequences, times ``ranks``.
+
+    Summed over the group's ranks this is the exact mean loss of the whole sequences,
+    however the counted tokens (those whose target is not ``IGNORE_INDEX``) fall; times
+    ``ranks`` because everything downstream averages over ranks: the loss the trainer
+    logs (the mean of the ranks' losses) and the gradients DDP or FSDP reduce over the
+    context-parallel ranks. The only communication is one all-reduce of the count."""
+    counted = (targets != IGNORE_INDEX).sum()
+    total = counted.detach().clone()
+    dist.all_reduce(total, group=group)
+    local_sum = torch.where(counted > 0, next_token_loss(logits, targets) * counted, 0.0)
+    return local_sum * ranks / total
 
 
 def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,

@@ -21,9 +21,10 @@ from meshyard.fault.failure import first_line
 from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.models.outputs import logits_of
 from meshyard.parallel.compile import Compilation, compile_errors, compiled_graphs
+from meshyard.parallel.context_parallel import SequenceSplit
 from meshyard.parallel.data_parallel import set_gradient_sync, unwrap
 from meshyard.train.expert_load import ExpertLoad, StepLoad
-from meshyard.train.loss import next_token_loss
+from meshyard.train.loss import next_token_loss, split_sequence_loss
 from meshyard.train.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -95,7 +96,7 @@ class MicroBatchStep:
     def __init__(self, model: nn.Module, precision: Precision, device: torch.device,
                  timer: StepTimer | NullStepTimer | None = None, loss_parallel: bool = False,
                  compilation: Compilation | None = None, compile_whole: bool = False,
-                 report: Callable[[str], None] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, sequence: SequenceSplit | None = None) -> None:
         self.model = model
         self.precision = precision
         self.device = device
@@ -104,6 +105,8 @@ class MicroBatchStep:
         # (and its backward) then run under loss_parallel(), which reduces across ranks.
         self.loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
         self.grad_norm_skip: list[nn.Parameter] = []
+        # Under context parallelism each rank runs its share of every sequence.
+        self.sequence = sequence
         # What was compiled (blocks by parallelize, or here the model and its loss as one
         # region); the first step learns whether it compiles at all.
         self.compilation = compilation or Compilation()
@@ -116,7 +119,11 @@ class MicroBatchStep:
         self.expert_load = ExpertLoad(unwrap(model))
 
     def _eager_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(logits_of(self.model(inputs)), targets)
+        split = self.sequence
+        if split is None:
+            return next_token_loss(logits_of(self.model(inputs)), targets)
+        inputs, targets = split.local(inputs), split.local(targets)
+        return split_sequence_loss(logits_of(self.model(inputs)), targets, split.ring.group, split.size)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         if self._compile_checked:

@@ -239,12 +239,13 @@ class Trainer:
         self.checkpoints.save(self.progress.step, facts, blocking=blocking)
 
     def close(self) -> None:
-        """Stop the watchdog, close the sinks and the checkpointer (after ``fit``, also when
-        it raised)."""
+        """Stop the watchdog, close the sinks, the checkpointer and the data (after ``fit``,
+        also when it raised)."""
         self.watchdog.stop()
         self.sinks.close()
         self.guard_log.close()
         self.checkpoints.close()
+        self.data.close()
 
     # steps ----------------------------------------------------------------------
     def _start_agreement(self, loss: torch.Tensor) -> "_PendingAgreement":

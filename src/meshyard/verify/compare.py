@@ -93,6 +93,8 @@ class VerifyReport:
 def describe_layout(p: ParallelConfig, nproc: int, dims: ParallelDims) -> str:
     parts = [f"{nproc} ranks", f"strategy {p.strategy}", f"dp_replicate {dims.dp_replicate}",
              f"dp_shard {dims.dp_shard}", f"tp {dims.tp}", f"pp {dims.pp}"]
+    if dims.cp > 1:
+        parts.append(f"cp {dims.cp}")
     if dims.ep > 1:
         parts.append(f"ep {dims.ep}")
     if dims.pp > 1:
