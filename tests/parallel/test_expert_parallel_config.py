@@ -21,6 +21,12 @@ def test_ep_takes_its_ranks_from_the_sharded_data_parallel_degree():
     assert layout.layout.facts()["ep"] == 2
 
 
+def test_ep_combines_with_tp_over_the_remaining_data_parallel_ranks():
+    layout = validate(load_config(None, ["--data.source=random", *MOE, "--parallel.strategy=fsdp", "--parallel.tp=2",
+                                         "--parallel.ep=2", "--train.global_batch=8"]), 4)
+    assert (layout.dims.dp_shard, layout.dims.tp, layout.dims.ep, layout.dims.dp) == (2, 2, 2, 2)
+
+
 @pytest.mark.parametrize("world, overrides, message", [
     (2, ["--parallel.strategy=fsdp", "--parallel.ep=2"], "but the model has none"),
     (2, [*MOE[:1], "--model.moe_experts=3", "--parallel.strategy=fsdp", "--parallel.ep=2"],
@@ -28,8 +34,6 @@ def test_ep_takes_its_ranks_from_the_sharded_data_parallel_degree():
     (2, [*MOE, "--parallel.strategy=ddp", "--parallel.ep=2"], "needs parallel.strategy = 'fsdp'"),
     (4, [*MOE, "--parallel.strategy=fsdp", "--parallel.dp_replicate=2", "--parallel.ep=4"],
      "does not divide the sharded data-parallel degree dp_shard = 2"),
-    (4, [*MOE, "--parallel.strategy=fsdp", "--parallel.tp=2", "--parallel.ep=2"],
-     "does not combine with parallel.tp = 2"),
     (2, [*MOE, "--parallel.strategy=none", "--parallel.pp=2"], "does not combine with parallel.pp = 2"),
     (2, [*MOE, "--parallel.strategy=fsdp", "--parallel.cp=2"], "does not combine with parallel.cp = 2"),
     (1, [*MOE, "--model.moe_top_k=5"], "must be between 1 and model.moe_experts = 4"),

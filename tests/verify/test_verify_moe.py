@@ -1,7 +1,8 @@
 """``meshyard verify`` on mixture-of-experts layouts: expert parallelism trains the model one
 process trains, with ep = 4 (each rank holds one expert; dropping tokens over capacity,
-with a shared expert) and ep = 2 x FSDP (experts split over pairs of ranks and sharded
-over the pairs) on four ranks.
+with a shared expert), ep = 2 x FSDP (experts split over pairs of ranks and sharded
+over the pairs) and ep = 2 x tp = 2 (attention and the shared expert split over tp pairs,
+the routed experts over the two data-parallel ranks of each tp index) on four ranks.
 
 Each case is what the command runs: the one-process run (here in the test process) and the
 layout run (in the session's shared spawn of its world size), compared by the command's
@@ -32,6 +33,7 @@ CASES = {  # name: (ranks, overrides)
     "ep4-capacity-shared": (4, ["--parallel.ep=4", "--model.moe_capacity_factor=1.0",
                                 "--model.moe_shared_experts=1"]),
     "ep2-fsdp4": (4, ["--parallel.ep=2"]),
+    "ep2-tp2": (4, ["--parallel.ep=2", "--parallel.tp=2", "--model.moe_shared_experts=1"]),
 }
 
 

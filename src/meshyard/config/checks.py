@@ -268,8 +268,10 @@ def _moe_problems(m: ModelConfig) -> list[str]:
 
 def _expert_parallel_problems(m: ModelConfig, p: ParallelConfig) -> list[str]:
     """What expert parallelism needs (experts to split, FSDP), and what MoE does not combine
-    with: tensor parallelism (the experts are not split Megatron-style) and pipelining (the
-    router losses of early stages would not reach the loss in the last one)."""
+    with: context parallelism (router losses on parts of sequences) and pipelining (the
+    router losses of early stages would not reach the loss in the last one). Tensor
+    parallelism combines: it splits the dense parts, and every tp rank routes the same
+    tokens through whole experts (``parallel.tensor_parallel``)."""
     return _failed([
         (p.ep == 1 or m.moe_experts > 0,
          f"parallel.ep = {p.ep} splits experts over ranks, but the model has none; set model.moe_experts "
@@ -281,9 +283,6 @@ def _expert_parallel_problems(m: ModelConfig, p: ParallelConfig) -> list[str]:
          f"parallel.ep = {p.ep} needs parallel.strategy = 'fsdp' (got '{p.strategy}'): the expert weights differ "
          "between the ranks of an expert-parallel group, and only FSDP can sync them over the other ranks apart "
          "from the dense ones; set parallel.strategy = 'fsdp'"),
-        (not (m.moe_experts > 0 and p.tp > 1),
-         f"model.moe_experts = {m.moe_experts} does not combine with parallel.tp = {p.tp}: the MoE feed-forward "
-         "is not split by tensor parallelism; use parallel.ep (with fsdp) to spread the experts instead"),
         (not (m.moe_experts > 0 and p.cp > 1),
          f"model.moe_experts = {m.moe_experts} does not combine with parallel.cp = {p.cp}: the router losses "
          "would be computed on each rank's part of a sequence rather than on whole micro-batches; use fsdp with "

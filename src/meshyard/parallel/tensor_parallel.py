@@ -37,9 +37,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from meshyard.models.moe import MoEFeedForward
 from meshyard.parallel.tp_modules import is_conv1d, pattern_of, per_rank_attributes, tied_groups
 from meshyard.parallel.tp_plans import (Split, TPPlan, TPPlanError, gpt_problems, is_meshyard_gpt, no_plan_problems,
                                         plan_problems, resolve_plan)
@@ -268,7 +270,7 @@ def _check_divisible(model: nn.Module, tp: int) -> None:
         raise TPPlanError("; ".join(problems))
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """One transformer block: norms on sequence shards, attention and MLP split by heads/units."""
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
@@ -276,12 +278,37 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
                                    use_local_output=True),
         "attn.qkv": FusedQKVParallel(),
         "attn.proj": RowwiseParallel(output_layouts=between),
-        "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(output_layouts=between),
     }
+    if isinstance(block.mlp, MoEFeedForward):
+        plan.update(_moe_plan(block.mlp, between))
+    else:
+        plan.update({
+            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=between),
+        })
     if sequence_parallel:
         plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+    return plan
+
+
+def _moe_plan(moe: MoEFeedForward, between: Shard | Replicate) -> dict[str, ParallelStyle]:
+    """A mixture-of-experts feed-forward: every tp rank takes the whole hidden state of its
+    tokens (gathered along the sequence under sequence parallelism), so each routes the same
+    tokens to the same experts; the routed experts are not split by tp (expert parallelism
+    spreads them) and the router stays whole, its logits computed alike on every rank. The
+    result goes back to the residual stream's layout (a local slice along the sequence, whose
+    backward gathers the gradient, so every rank runs the experts' backward on all of it).
+    Shared experts are a dense feed-forward on every token and are split like one: by hidden
+    units, their outputs summed over the tp ranks before they join the routed ones."""
+    plan: dict[str, ParallelStyle] = {
+        "mlp": PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Replicate(),),
+                                        desired_output_layouts=(between,), use_local_output=True),
+    }
+    if moe.shared is not None:
+        plan["mlp.shared.fc"] = ColwiseParallel()
+        plan["mlp.shared.proj"] = RowwiseParallel(output_layouts=Replicate())
     return plan
 
 
@@ -348,7 +375,7 @@ def _apply_gpt_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool
                                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                           use_local_output=not loss_parallel)
     for _, block in _named_blocks(model):
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
     parallelize_module(model, tp_mesh, plan)
     if getattr(model, "pos_emb", None) is not None:
         _replicate(model.pos_emb, tp_mesh)

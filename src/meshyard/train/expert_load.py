@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshyard.models.moe import moe_layers, routing_losses
 
@@ -43,7 +44,12 @@ class ExpertLoad:
         counts = torch.stack([r.tokens_per_expert for r in routed])
         dropped = torch.stack([r.dropped for r in routed]).sum()
         self._micro_batches.append((balance.detach(), z_loss.detach(), counts, dropped))
-        return loss + weighted.to(loss.dtype)
+        weighted = weighted.to(loss.dtype)
+        if isinstance(loss, DTensor):
+            # Loss parallel: the next-token loss is a DTensor replicated over the tp ranks, which
+            # route the same tokens alike, so the router losses are the same on each of them too.
+            weighted = DTensor.from_local(weighted, loss.device_mesh, loss.placements, run_check=False)
+        return loss + weighted
 
     def take_step(self) -> "StepLoad":
         """The load noted since the last call (one optimizer step's micro-batches)."""
