@@ -10,7 +10,7 @@ from meshyard.models.gpt import GPTShape
 from meshyard.plan.layout import PRECISIONS, make_layout
 from meshyard.plan.memory import activation_bytes_per_layer, estimate_memory, gathered_items, model_state_items
 from meshyard.plan.model import describe_gpt
-from meshyard.plan.stage import StageShape, in_flight_micro_batches, stage_shapes, tp_block_params
+from meshyard.plan.stage import StageShape, block_params_per_rank, in_flight_micro_batches, stage_shapes
 
 GPT2 = describe_gpt(GPTShape(vocab_size=50257, context_length=1024, n_layer=12, n_head=12, d_model=768))
 WORLD_SIZES = (1, 2, 4, 8, 64, 1024)
@@ -75,7 +75,7 @@ def test_hsdp_shards_within_the_shard_group_only():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_splits_matmul_weights_and_vocabulary(tp):
     layout = make_layout("none", tp, tp=tp, micro_batch=1, seq_len=1024)
-    block = tp_block_params(GPT2, tp)
+    block, _ = block_params_per_rank(GPT2, tp)
     other = GPT2.layer_params - GPT2.matmul_params_per_layer
     assert block == GPT2.matmul_params_per_layer // tp + other
     (shape,) = stage_shapes(GPT2, layout)

@@ -24,7 +24,8 @@ DESCRIPTION = """\
 Estimate memory per device, rank parallel layouts and predict scaling before renting
 GPUs. For a model (a GPT preset, a custom GPT size, your own builder, or a meshyard
 config) and a cluster, every combination of data parallelism (ddp, zero1, fsdp2 =
-ZeRO-2, fsdp3 = ZeRO-3, hsdp), tensor and pipeline degree, activation checkpointing,
+ZeRO-2, fsdp3 = ZeRO-3, hsdp), tensor and pipeline degree (context- and expert-parallel
+degrees too, where asked or where the model has experts), activation checkpointing,
 CPU offload and micro-batch is estimated; the fastest that fits are ranked, and each
 layout that does not fit says why. With --scale, one layout is predicted across
 cluster sizes (table and PNG plot)."""
@@ -35,6 +36,7 @@ examples:
   meshyard plan --model gpt --n-layer 32 --n-head 32 --d-model 4096 --seq-len 4096 \\
       --gpus 64 --gpu h100 --gpu-memory 80GB --gpus-per-node 8 --interconnect ib-ndr-8x
   meshyard plan --config run.toml --gpus 16 --gpu a100 --interconnect eth-100g
+  meshyard plan --model gpt2-124m --moe-experts 8 --moe-top-k 2 --gpus 8 --ep 1,2,8
   meshyard plan --model gpt2-124m --scale 8,64,512,4096 --strategy fsdp --out scale.png
   meshyard plan --model gpt2-124m --gpus 8 --tokens 10B --gpu-hour-price 2.5 --restarts runs/spot-1
   meshyard plan --list-hardware
@@ -54,6 +56,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--d-model", type=int, help="hidden width (custom GPT)")
     model.add_argument("--vocab-size", type=int, help="vocabulary (default 50257, the GPT-2 tokenizer's)")
     model.add_argument("--untied-embeddings", action="store_true", help="separate output head (default: tied)")
+    model.add_argument("--moe-experts", type=int, help="routed experts in every block's mixture-of-experts "
+                                                       "feed-forward (GPT; default 0: dense, or the config's)")
+    model.add_argument("--moe-top-k", type=int, help="experts each token is routed to (default 2, or the config's)")
+    model.add_argument("--moe-shared-experts", type=int, help="always-active experts (default 0, or the config's)")
     train = p.add_argument_group("training")
     train.add_argument("--seq-len", type=int, help="tokens per sample (default 1024)")
     train.add_argument("--global-batch", type=int, help="samples per optimizer step (default about 0.5M tokens)")
@@ -89,6 +95,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("--pp", help="pipeline-parallel degrees, e.g. 1,2")
     search.add_argument("--cp", help="context-parallel degrees, e.g. 1,2,4 (parallel.cp: each sequence split over "
                                      "cp ranks; default 1, since only long sequences need it)")
+    search.add_argument("--ep", help="expert-parallel degrees, e.g. 1,2,8 (parallel.ep: a MoE model's experts split "
+                                     "over ep of the sharded data-parallel ranks, tokens sent all-to-all; default: "
+                                     "1 and every power of two that divides the experts)")
     search.add_argument("--micro-batch", help="micro-batch sizes (samples per rank per forward)")
     search.add_argument("--ac", help="activation checkpointing: none, selective (every other block), full")
     search.add_argument("--offload", choices=("auto", "on", "off"), default="auto",

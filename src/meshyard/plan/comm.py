@@ -5,6 +5,8 @@ bandwidth"): for a buffer of ``M`` bytes over ``n`` ranks each rank sends
 
 - all-reduce: ``2 (n - 1) / n x M`` (a reduce-scatter then an all-gather);
 - all-gather and reduce-scatter: ``(n - 1) / n x M`` (``M`` is the full, unsharded size);
+- all-to-all: ``(n - 1) / n x M`` (``M`` is what one rank sends and receives; it keeps its
+  own 1/n), every peer at once, so its latency is one hop's;
 - point-to-point: ``M``.
 
 Time is ``volume / bandwidth + hops x latency``. The bandwidth is the group's slowest
@@ -13,7 +15,8 @@ bandwidth shared by the groups of the same kind that communicate at once, which 
 ``node bandwidth x k / gpus_per_node`` for a group with ``k`` ranks on each node (a
 full-node group gets every NIC; one rank per node gets one rail). Ranks are laid out
 as meshyard's DeviceMesh does: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, with ``tp``
-innermost (adjacent ranks). Latency counts ring hops inside a node and a tree's
+innermost (adjacent ranks); under expert parallelism ``dp_shard`` is ``dp_shard / ep`` outer
+ranks times ``ep`` inner ones. Latency counts ring hops inside a node and a tree's
 ``2 log2(nodes)`` hops across nodes, as NCCL switches to trees at scale.
 """
 
@@ -25,7 +28,7 @@ from typing import Literal
 
 from meshyard.plan.hardware import Cluster
 
-Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 
 
 def ring_factor(kind: Collective, n: int) -> float:
@@ -75,7 +78,7 @@ def group_latency(cluster: Cluster, kind: Collective, group: GroupPlacement) -> 
     """Seconds of per-hop latency for one collective over ``group``."""
     if group.size <= 1:
         return 0.0
-    if kind == "p2p":
+    if kind in ("p2p", "all_to_all"):
         return cluster.inter.latency if group.crosses_nodes else cluster.intra.latency
     phases = 2 if kind == "all_reduce" else 1
     intra_hops = group.ranks_per_node - 1
@@ -112,13 +115,20 @@ class MeshPlacement:
     dp: GroupPlacement
     """All data-parallel ranks together (DDP and ZeRO-1 reduce over it)."""
     pp_crosses_nodes: bool
+    ep: GroupPlacement = GroupPlacement(1, 1, 1)
+    """The ranks that exchange tokens all-to-all (expert parallelism; inner part of dp_shard)."""
+    expert_dp_shard: GroupPlacement = GroupPlacement(1, 1, 1)
+    """The ranks that shard the same experts (dp_shard / ep of them, ep x tp apart)."""
 
 
-def place_mesh(cluster: Cluster, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> MeshPlacement:
-    """Placements for a (pp, dp_replicate, dp_shard, tp) mesh, tp innermost."""
+def place_mesh(cluster: Cluster, dp_replicate: int, dp_shard: int, tp: int, pp: int, ep: int = 1) -> MeshPlacement:
+    """Placements for a (pp, dp_replicate, dp_shard, tp) mesh, tp innermost; with ``ep`` > 1
+    dp_shard is (dp_shard / ep, ep), the expert-parallel ranks inside."""
     gpn = cluster.gpus_per_node
     stage_size = dp_replicate * dp_shard * tp
     return MeshPlacement(
+        ep=place_group(ep, tp, gpn),
+        expert_dp_shard=place_group(dp_shard // ep, ep * tp, gpn),
         tp=place_group(tp, 1, gpn),
         dp_shard=place_group(dp_shard, tp, gpn),
         dp_replicate=place_group(dp_replicate, tp * dp_shard, gpn),

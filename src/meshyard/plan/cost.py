@@ -26,6 +26,14 @@ The model, in the order a step runs (every term is a line of ``StepEstimate.item
   (2 x t x d x c bytes) ``cp - 1`` times in forward and again in backward, where their
   fp32 gradients travel ``cp`` hops too; each hop overlaps one block pair's attention,
   so only what attention's share of compute cannot hide is exposed.
+- expert parallelism: per MoE block and micro-batch, the tokens go all-to-all to the ranks
+  holding their experts and the outputs come back (dispatch and combine), in forward and
+  again for their gradients in backward: 4 all-to-alls of ``t x top_k x d x c`` bytes, of
+  which each rank sends ``(ep - 1) / ep``, and 2 more per recomputed block. They sit between
+  the router and the experts, so nothing overlaps them. FSDP gathers and reduces the
+  experts a rank holds over the ``dp_shard / ep`` ranks that hold the same ones. Under
+  tensor parallelism a MoE block's router and routed experts are whole on every tp rank,
+  which all compute them (only attention and shared experts are split).
 - optimizer: memory-bound; each parameter the rank updates reads and writes its value,
   gradient and states once at the device's memory bandwidth. CPU offload moves the
   update to host memory bandwidth and adds PCIe copies of parameters and gradients.
@@ -84,7 +92,7 @@ class StepEstimate:
         return sum(i.seconds for i in self.items if i.exposed and i.name in _COMM_ITEMS)
 
 
-_COMM_ITEMS = ("tp comm", "cp ring", "pp transfers", "dp comm (exposed)", "zero-1 all-gather", "offload copies")
+_COMM_ITEMS = ("tp comm", "cp ring", "ep all-to-all", "pp transfers", "dp comm (exposed)", "zero-1 all-gather", "offload copies")
 
 DEFAULT_OVERLAP = 0.9
 """Fraction of concurrent compute that hides communication (collectives share the GPU)."""
@@ -99,10 +107,12 @@ class _MicroBatch:
     p2p: float
     cp: float = 0.0
     """The ring's exposed transfer time (context parallelism)."""
+    ep: float = 0.0
+    """The all-to-alls of token dispatch and combine (expert parallelism)."""
 
     @property
     def slot(self) -> float:
-        return self.forward + self.backward + self.recompute + self.tp + self.p2p + self.cp
+        return self.forward + self.backward + self.recompute + self.tp + self.p2p + self.cp + self.ep
 
 
 def _micro_batch(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement) -> _MicroBatch:
@@ -111,7 +121,9 @@ def _micro_batch(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster
     rate = cluster.peak(layout.precision.peak_dtype) * cluster.compute_efficiency
     if rate <= 0:
         raise ValueError(f"{cluster.gpu.name} has no {layout.precision.peak_dtype} support; choose another precision")
-    layer = desc.layer_forward_flops_per_token(layout.seq_len) * t / tp
+    # A MoE block's router and routed experts run whole on every tp rank.
+    whole = desc.tp_whole_forward_flops_per_token()
+    layer = ((desc.layer_forward_flops_per_token(layout.seq_len) - whole) / tp + whole) * t
     head_split = tp if layout.vocab_parallel else 1
     head = desc.head_forward_flops_per_token() * t / head_split
     shapes = stage_shapes(desc, layout)
@@ -129,7 +141,12 @@ def _micro_batch(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster
         sends = 2 * (layout.pp_virtual if layout.pp_schedule == "interleaved" else 1)
         p2p = sends * p2p_time(cluster, act_bytes / (tp if layout.sequence_parallel else 1), mesh.pp_crosses_nodes)
     cp = _ring_time(desc, layout, cluster, layers, rate) if layout.cp > 1 else 0.0
-    return _MicroBatch(forward=forward, backward=2 * forward, recompute=recompute, tp=tp_time, p2p=p2p, cp=cp)
+    ep = 0.0
+    if layout.ep > 1 and desc.moe is not None:
+        routed_bytes = t * desc.moe.top_k * desc.d_model * layout.precision.compute
+        ep = (layers * 4 + recomputed * 2) * collective_time(cluster, "all_to_all", routed_bytes, mesh.ep)
+    return _MicroBatch(forward=forward, backward=2 * forward, recompute=recompute, tp=tp_time, p2p=p2p, cp=cp,
+                       ep=ep)
 
 
 def _ring_time(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, layers: int, rate: float) -> float:
@@ -162,11 +179,12 @@ def _dp_items(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster, m
     if layout.dp * layout.cp == 1:
         return []
     shapes = stage_shapes(desc, layout)
-    psi = max(s.params for s in shapes)
+    busiest = max(shapes, key=lambda s: s.params)
     layers = max(1, max(s.layers for s in shapes))
     if layout.zero_stage <= 1:
-        return _replicated_dp_items(layout, cluster, mesh, mb, overlap, psi)
-    return _sharded_dp_items(layout, cluster, mesh, mb, overlap, psi, layers)
+        return _replicated_dp_items(layout, cluster, mesh, mb, overlap, busiest.params)
+    experts = busiest.expert_params if layout.ep > 1 else 0
+    return _sharded_dp_items(layout, cluster, mesh, mb, overlap, busiest.params - experts, layers, experts)
 
 
 def _replicated_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement, mb: _MicroBatch,
@@ -192,15 +210,22 @@ def _replicated_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlac
 
 
 def _sharded_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlacement, mb: _MicroBatch,
-                      overlap: float, psi: int, layers: int) -> list[TimeItem]:
-    """FSDP2/HSDP: per-block gathers overlapped with each pass, one reduce-scatter per step."""
+                      overlap: float, psi: int, layers: int, experts: int = 0) -> list[TimeItem]:
+    """FSDP2/HSDP: per-block gathers overlapped with each pass, one reduce-scatter per step.
+    ``psi`` is gathered over dp_shard; ``experts`` (a rank's share under expert parallelism)
+    over the dp_shard / ep ranks that hold the same experts."""
     prec, m = layout.precision, layout.grad_accum
     # One collective per block and one for the root: latency is paid layers + 1 times.
     units = layers + 1
-    gather = units * collective_time(cluster, "all_gather", prec.compute * psi / units, mesh.dp_shard)
-    scatter = units * collective_time(cluster, "reduce_scatter", prec.grad * psi / units, mesh.dp_shard)
-    replicate = units * collective_time(cluster, "all_reduce", prec.grad * psi / layout.shard_degree / units,
-                                        mesh.dp_replicate)
+    groups = [(psi, units, mesh.dp_shard, layout.shard_degree)]
+    if experts:
+        groups.append((experts, layers, mesh.expert_dp_shard, layout.expert_shard_degree))
+    gather = scatter = replicate = 0.0
+    for count, pieces, group, shards in groups:
+        gather += pieces * collective_time(cluster, "all_gather", prec.compute * count / pieces, group)
+        scatter += pieces * collective_time(cluster, "reduce_scatter", prec.grad * count / pieces, group)
+        replicate += pieces * collective_time(cluster, "all_reduce", prec.grad * count / shards / pieces,
+                                              mesh.dp_replicate)
     backward_gather = gather if layout.zero_stage == 3 else 0.0
     # Forward: every micro-batch gathers; only the first block's gather cannot overlap.
     exposed = m * (max(0.0, gather - overlap * mb.forward) + gather / units)
@@ -211,6 +236,8 @@ def _sharded_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlaceme
     exposed += max(0.0, last - overlap * mb.backward) + (scatter + replicate) / units
     what = (f"{m} x {'2' if backward_gather else '1'} all-gathers of c*Psi + reduce-scatter of g*Psi over "
             f"{layout.shard_degree}")
+    if experts:
+        what += f" (the experts a rank holds over {layout.expert_shard_degree})"
     if layout.dp_replicate > 1:
         what += f" + all-reduce of g*Psi/{layout.shard_degree} over {layout.dp_replicate} replicas"
     total = m * (gather + backward_gather) + scatter + replicate
@@ -221,8 +248,9 @@ def _sharded_dp_items(layout: PlannedLayout, cluster: Cluster, mesh: MeshPlaceme
 
 def _optimizer_items(desc: ModelDescription, layout: PlannedLayout, cluster: Cluster) -> list[TimeItem]:
     prec = layout.precision
-    psi = max(s.params for s in stage_shapes(desc, layout))
-    local = psi / (layout.shard_degree if layout.zero_stage >= 1 else 1)
+    busiest = max(stage_shapes(desc, layout), key=lambda s: s.params)
+    local = (busiest.stored_params(layout.shard_degree, layout.expert_shard_degree) if layout.zero_stage >= 1
+             else busiest.params)
     k = prec.optimizer_bytes(layout.n_optimizer_states)
     touched = 2 * prec.param + prec.grad + 2 * k
     if not layout.offload:
@@ -245,7 +273,7 @@ def estimate_step(desc: ModelDescription, layout: PlannedLayout, cluster: Cluste
     """Predicted step time of ``layout`` on ``cluster`` (see the module docstring)."""
     # cp sits between dp_shard and tp: FSDP's shard group (and DDP's, with dp_shard = 1)
     # spans dp_shard x cp contiguous ranks.
-    mesh = place_mesh(cluster, layout.dp_replicate, layout.dp_shard * layout.cp, layout.tp, layout.pp)
+    mesh = place_mesh(cluster, layout.dp_replicate, layout.dp_shard * layout.cp, layout.tp, layout.pp, layout.ep)
     mb = _micro_batch(desc, layout, cluster, mesh)
     slots = _pipeline_slots(layout)
     m = layout.grad_accum
@@ -260,6 +288,9 @@ def estimate_step(desc: ModelDescription, layout: PlannedLayout, cluster: Cluste
     if mb.cp:
         items.append(TimeItem("cp ring", m * mb.cp, f"keys and values round a ring of cp={layout.cp} per block, "
                               "beyond the attention each hop overlaps"))
+    if mb.ep:
+        items.append(TimeItem("ep all-to-all", m * mb.ep, f"tokens to their experts and back over ep={layout.ep}, "
+                              "4 per MoE block (dispatch and combine, forward and backward), not overlapped"))
     if layout.pp > 1:
         items.append(TimeItem("pp transfers", m * mb.p2p, "activations forward and gradients back per micro-batch"))
         items.append(TimeItem("pipeline bubble", (slots - m) * mb.slot,

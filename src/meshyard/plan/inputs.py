@@ -130,10 +130,13 @@ def describe_from_args(args: argparse.Namespace, defaults: _Defaults, seq_len: i
         n_layer=sizes["n_layer"] or cfg.n_layer, n_head=sizes["n_head"] or cfg.n_head,
         d_model=sizes["d_model"] or cfg.d_model, dropout=cfg.dropout,
         tie_embeddings=cfg.tie_embeddings and not args.untied_embeddings, options=dict(cfg.options),
-        # Experts as configured: compute counts the active ones, memory all of them.
-        moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_shared_experts=cfg.moe_shared_experts,
+        # Experts as configured or given: compute counts the active ones, memory all of them.
+        moe_experts=_given(getattr(args, "moe_experts", None), cfg.moe_experts),
+        moe_top_k=_given(getattr(args, "moe_top_k", None), cfg.moe_top_k),
+        moe_shared_experts=_given(getattr(args, "moe_shared_experts", None), cfg.moe_shared_experts),
         moe_capacity_factor=cfg.moe_capacity_factor,
     )
+    _check_experts(model, name)
     preset = GPT_PRESETS.get(name, {})
     d_model, n_head = model.d_model or preset.get("d_model", 0), model.n_head or preset.get("n_head", 0)
     if d_model and n_head and d_model % n_head:
@@ -143,6 +146,18 @@ def describe_from_args(args: argparse.Namespace, defaults: _Defaults, seq_len: i
         return describe_config(model, vocab, seq_len)
     except (TraceError, PluginError) as exc:
         raise PlanInputError(f"cannot describe model '{name}': {exc}") from None
+
+
+def _check_experts(model: ModelConfig, name: str) -> None:
+    """Experts only for meshyard's GPT, as many as top-k at least."""
+    if model.moe_experts == 0:
+        return
+    _need(model.moe_experts > 0, f"--moe-experts {model.moe_experts} must be at least 1 (or 0 for dense blocks)")
+    _need(name in (*GPT_PRESETS, "gpt"), f"--moe-experts gives meshyard's GPT experts, but the model is '{name}'; "
+                                         "pick a GPT preset or 'gpt' with its sizes")
+    _need(1 <= model.moe_top_k <= model.moe_experts,
+          f"--moe-top-k {model.moe_top_k} must be between 1 and the {model.moe_experts} experts")
+    _need(model.moe_shared_experts >= 0, f"--moe-shared-experts {model.moe_shared_experts} must not be negative")
 
 
 def cluster_from_args(args: argparse.Namespace, n_gpus: int) -> Cluster:
@@ -221,7 +236,7 @@ def _request(args: argparse.Namespace, defaults: _Defaults, seq_len: int, strate
     return PlanRequest(
         global_batch=global_batch, seq_len=seq_len, precision=PRECISIONS[args.precision or defaults.precision],
         optimizer=args.optimizer or defaults.optimizer, strategies=strategies or STRATEGIES, tp=tp, pp=pp,
-        cp=_int_list(getattr(args, "cp", None), "--cp") or (1,),
+        cp=_int_list(getattr(args, "cp", None), "--cp") or (1,), ep=_int_list(getattr(args, "ep", None), "--ep"),
         micro_batches=_int_list(args.micro_batch, "--micro-batch"),
         ac=_choice_list(args.ac, "--ac", AC_MODES) or AC_MODES,
         offload={"auto": (False, True), "on": (True,), "off": (False,)}[args.offload],
@@ -268,5 +283,8 @@ def resolve_inputs(args: argparse.Namespace) -> PlanInputs:
     if scale_sizes:
         strategies, tp, pp, per_rank = _scale_layout(args, strategies, tp, pp)
     request = _request(args, defaults, seq_len, strategies, tp, pp)
+    _need(max(request.ep, default=1) == 1 or desc.moe is not None,
+          f"--ep {getattr(args, 'ep', None)} splits experts over ranks, but model '{desc.name}' has none; give it experts with "
+          "--moe-experts (or model.moe_experts in --config), or leave --ep out")
     return PlanInputs(desc=desc, cluster=cluster, request=request, scale_sizes=scale_sizes, per_rank_batch=per_rank,
                       pricing=pricing_from_args(args, cluster))

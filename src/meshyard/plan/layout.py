@@ -1,8 +1,8 @@
 """A candidate layout: how a job is spread over devices, and the bytes of each number.
 
 A ``PlannedLayout`` is what the planner varies: data-parallel degrees (replicated and
-sharded), the ZeRO stage, tensor, pipeline and context-parallel degrees, micro-batch and accumulation,
-activation checkpointing and CPU offload. ``PlanPrecision`` names the bytes per parameter
+sharded), the ZeRO stage, tensor, pipeline, context- and expert-parallel degrees, micro-batch and
+accumulation, activation checkpointing and CPU offload. ``PlanPrecision`` names the bytes per parameter
 of each model state, from which the ZeRO arithmetic follows.
 """
 
@@ -132,6 +132,10 @@ class PlannedLayout:
     """Context-parallel degree: each sequence split over this many ranks (ring attention);
     they read the same samples, so they are not data-parallel, but they reduce gradients
     together (FSDP shards over dp_shard x cp)."""
+    ep: int = 1
+    """Expert-parallel degree (``parallel.ep``): each MoE layer's routed experts split over
+    this many of the ``dp_shard`` ranks, which exchange tokens all-to-all; FSDP shards the
+    experts over the other dp_shard / ep ranks, and everything else over all of dp_shard."""
 
     @property
     def dp(self) -> int:
@@ -157,6 +161,12 @@ class PlannedLayout:
         return 1
 
     @property
+    def expert_shard_degree(self) -> int:
+        """Ranks over which the states of the experts a rank holds are sharded: the
+        ``shard_degree`` ranks less the ``ep`` ones that hold other experts."""
+        return max(1, self.shard_degree // self.ep)
+
+    @property
     def global_batch(self) -> int:
         """Samples per optimizer step across the job."""
         return self.micro_batch * self.grad_accum * self.dp
@@ -179,7 +189,8 @@ class PlannedLayout:
         else:
             dp = f"dp={self.dp}"
         context = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"{CONFIG_LABELS[self.strategy]} {dp} tp={self.tp} pp={self.pp}{context}"
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"{CONFIG_LABELS[self.strategy]} {dp} tp={self.tp} pp={self.pp}{context}{experts}"
 
     def config_overrides(self) -> list[str]:
         """The settings that run this layout, as ``meshyard run`` takes them: the inverse of
@@ -196,6 +207,8 @@ class PlannedLayout:
             overrides += [f"--parallel.pp={self.pp}", f"--parallel.pp_schedule={CONFIG_SCHEDULES[self.pp_schedule]}"]
         if self.cp > 1:
             overrides.append(f"--parallel.cp={self.cp}")
+        if self.ep > 1:
+            overrides.append(f"--parallel.ep={self.ep}")
         if self.ac != "none":
             overrides.append(f"--parallel.ac={self.ac}")
         if self.offload:
@@ -209,13 +222,24 @@ class PlannedLayout:
 
 
 def make_layout(strategy: str, world_size: int, tp: int = 1, pp: int = 1, shard: int = 0, cp: int = 1,
-                **kwargs: object) -> PlannedLayout:
+                ep: int = 1, **kwargs: object) -> PlannedLayout:
     """Build a layout from a strategy and a world size, deriving the data-parallel degrees.
 
     ``shard`` is the dp_shard degree for ``hsdp`` (the rest is replicated); other
     strategies replicate (ddp, zero1) or shard (fsdp2, fsdp3) over all data-parallel ranks.
-    Raises ValueError when the degrees do not divide the world size.
+    ``ep`` takes its ranks from dp_shard. Raises ValueError when the degrees do not divide
+    the world size, or ep the sharded degree.
     """
+    layout = _data_parallel_layout(strategy, world_size, tp, pp, shard, cp, **kwargs)
+    if ep < 1 or layout.dp_shard % ep:
+        raise ValueError(f"ep={ep} does not divide the sharded data-parallel degree dp_shard={layout.dp_shard} "
+                         f"of {CONFIG_LABELS[strategy]}")
+    return layout.with_(ep=ep) if ep > 1 else layout
+
+
+def _data_parallel_layout(strategy: str, world_size: int, tp: int, pp: int, shard: int, cp: int,
+                          **kwargs: object) -> PlannedLayout:
+    """``make_layout`` without expert parallelism."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):

@@ -66,21 +66,31 @@ class MemoryEstimate:
 
 
 def model_state_items(shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
-    """Parameters, gradients and optimizer states of one device, per the ZeRO stage."""
+    """Parameters, gradients and optimizer states of one device, per the ZeRO stage. Under
+    expert parallelism the experts a rank holds (Psi_e, its 1/ep share) are sharded over
+    N_e = N / ep ranks, the rest of Psi over N."""
     prec, psi, n, stage = layout.precision, shape.params, layout.shard_degree, layout.zero_stage
     k = prec.optimizer_bytes(layout.n_optimizer_states)
     ps = fmt_count(psi)
     where = "host" if layout.offload else None
+    k_text = f"K = {prec.master} master + {layout.n_optimizer_states} x {prec.state}"
+    if shape.expert_params and layout.ep > 1:
+        n_e, psi_e = layout.expert_shard_degree, fmt_count(shape.expert_params)
+        sharded, share = shape.stored_params(n, n_e), "(Psi-Psi_e)/N + Psi_e/N_e"
+        count = f"({ps} - {psi_e}) / {n} + {psi_e} / {n_e}"
+        optimizer_text = f"K*{share} ({k_text}) x {count}"
+    else:
+        sharded, share, count = psi / n, "Psi/N", f"{ps} / {n}"
+        optimizer_text = f"K*Psi/{1 if stage == 0 else n} ({k_text}) x {ps}"
     items = []
     if stage >= 2:
-        items.append(_item("parameters", prec.param * psi / n, f"p*Psi/N = {prec.param} B x {ps} / {n}", where))
-        items.append(_item("gradients", prec.grad * psi / n, f"g*Psi/N = {prec.grad} B x {ps} / {n}", where))
+        items.append(_item("parameters", prec.param * sharded, f"p*{share} = {prec.param} B x {count}", where))
+        items.append(_item("gradients", prec.grad * sharded, f"g*{share} = {prec.grad} B x {count}", where))
     else:
         items.append(MemoryItem("parameters", prec.param * psi, f"p*Psi = {prec.param} B x {ps}"))
         items.append(MemoryItem("gradients", prec.grad * psi, f"g*Psi = {prec.grad} B x {ps}"))
-    opt_n = 1 if stage == 0 else n
-    k_text = f"K = {prec.master} master + {layout.n_optimizer_states} x {prec.state}"
-    items.append(_item("optimizer states", k * psi / opt_n, f"K*Psi/{opt_n} ({k_text}) x {ps}", where))
+    optimizer = k * psi if stage == 0 else k * sharded
+    items.append(_item("optimizer states", optimizer, optimizer_text, where))
     return items
 
 
@@ -130,10 +140,14 @@ def activation_items(desc: ModelDescription, shape: StageShape, layout: PlannedL
 def block_backward_item(desc: ModelDescription, layout: PlannedLayout) -> MemoryItem:
     """The first block's backward, the last to run: its activations (rebuilt when
     checkpointed) plus the gradients flowing through it, the MLP hidden's (r units,
-    split by TP) and the residual stream's (1 unit)."""
+    split by TP; a MoE block's r per routed assignment, whole, and r per shared expert,
+    split) and the residual stream's (1 unit)."""
     full = activation_bytes_per_layer(desc, layout)
     ratio = desc.mlp_hidden / desc.d_model if desc.mlp_hidden else 0.0
-    units = 1.0 + ratio / layout.tp
+    if desc.moe is None:
+        units = 1.0 + ratio / layout.tp
+    else:  # the routed experts' hidden whole on every tp rank, the shared ones' split
+        units = 1.0 + ratio * (desc.moe.top_k + desc.moe.shared_experts / layout.tp)
     grads = units * layout.tokens_per_micro_batch * desc.d_model * layout.precision.activation
     what = "rebuilt activations" if layout.ac != "none" else "activations"
     return MemoryItem("block backward", full + grads,
@@ -189,7 +203,8 @@ def gathered_items(desc: ModelDescription, shape: StageShape, layout: PlannedLay
 
 
 def buffer_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
-    """Communication buffers in flight: FSDP2 reduce-scatter, TP and PP transfers."""
+    """Communication buffers in flight: FSDP2 reduce-scatter, TP, PP and expert-parallel
+    transfers."""
     items, prec = [], layout.precision
     act = layout.tokens_per_micro_batch * desc.d_model * prec.activation
     if layout.zero_stage >= 2 and layout.shard_degree > 1:
@@ -205,6 +220,12 @@ def buffer_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayou
         items.append(MemoryItem("tp collectives", 2 * act, "2 x t x d x a (gathered input, reduced output)"))
     if layout.pp > 1:
         items.append(MemoryItem("pp transfers", 2 * act, "2 x t x d x a (activation sent, gradient received)"))
+    if layout.ep > 1 and desc.moe is not None:
+        # The tokens a rank's experts received and the outputs it sends back (top_k a token).
+        routed = desc.moe.top_k * act
+        items.append(MemoryItem("ep all-to-all", 2 * routed,
+                                f"2 x t x top_k x d x a (tokens received, outputs sent back; top_k = "
+                                f"{desc.moe.top_k})"))
     if layout.cp > 1:
         # Keys and values of the block being attended and of the one arriving (fp32 in the
         # ring's arithmetic), and in backward their gradients travelling the other way.
@@ -219,7 +240,8 @@ def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: Plan
     torch's foreach AdamW (the GPU default) builds one fp32 temporary per parameter it
     updates; the single-tensor loop (the CPU default) only two of the largest tensor.
     """
-    local = shape.params / max(1, layout.shard_degree if layout.zero_stage >= 1 else 1)
+    local = shape.stored_params(layout.shard_degree, layout.expert_shard_degree) if layout.zero_stage >= 1 \
+        else shape.params
     if layout.offload:
         return 0.0
     if foreach:
@@ -284,7 +306,7 @@ def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageS
     if layout.offload:
         prec = layout.precision
         per_param = prec.param + prec.grad + prec.optimizer_bytes(layout.n_optimizer_states)
-        host = per_param * shape.params / layout.shard_degree
+        host = per_param * shape.stored_params(layout.shard_degree, layout.expert_shard_degree)
     return MemoryEstimate(items=tuple(lines[moment]), peak_bytes=moments[moment], peak_moment=moment,
                           moments=moments, host_bytes=host, stage=shape.index, states=tuple(states))
 

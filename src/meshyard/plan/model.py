@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from meshyard.models.flops import TRAINING_PER_FORWARD, gpt_counts, head_forward_flops, layer_forward_flops
 from meshyard.models.gpt import GPTShape
+from meshyard.models.moe import MoEShape
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class ActivationProfile:
     """Units still held in full under sequence parallelism: the gathered norm outputs that
     the column-parallel linears save as their input."""
     fp32_bytes_per_token: float
-    """Statistics kept in fp32 whatever the compute dtype (norm mean/rstd)."""
+    """Bytes kept whatever the compute dtype: fp32 norm statistics (mean/rstd) and, in a
+    mixture-of-experts block, the router's fp32 logits and the int64 routing indices."""
     fp32_bytes_per_token_sharded: float
     """fp32 statistics split by TP (attention log-sum-exp, one per head)."""
     mask_bytes_per_token: float
@@ -88,10 +90,34 @@ class ModelDescription:
     """Traced models: forward FLOPs of one block per token at ``traced_seq_len``."""
     traced_head_flops: float = 0.0
     """Traced models: forward FLOPs per token outside the blocks at ``traced_seq_len``."""
+    moe: MoEShape | None = None
+    """The experts of every block's mixture-of-experts feed-forward (None: dense blocks)."""
+    expert_params_per_layer: int = 0
+    """Routed experts' weights of one block: expert parallelism splits them over its ranks;
+    tensor parallelism leaves them whole on every rank."""
 
     @property
     def block_params(self) -> int:
         return self.n_layer * self.layer_params
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per block (0 for a dense model)."""
+        return self.moe.experts if self.moe is not None else 0
+
+    @property
+    def router_params_per_layer(self) -> int:
+        """The router's weights of one block, whole on every tensor-parallel rank."""
+        return self.d_model * self.experts
+
+    def tp_whole_forward_flops_per_token(self) -> float:
+        """Forward FLOPs of one block per token that tensor parallelism does not split: a
+        MoE block's router and the ``top_k`` routed experts each token passes through, which
+        every tp rank runs on the same tokens (0 for a dense block)."""
+        if self.moe is None:
+            return 0.0
+        per_expert = self.expert_params_per_layer / self.moe.experts
+        return 2.0 * (self.router_params_per_layer + self.moe.top_k * per_expert)
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of one forward pass per token (PaLM convention, ``meshyard.models.flops``)."""
@@ -124,19 +150,35 @@ def gpt_activation_profile(shape: GPTShape) -> ActivationProfile:
     by GELU) and GELU output r (saved by the MLP projection), r = mlp_ratio. That is
     ``4 + 4 + 2r`` = 16 units for r = 4; Korthikanti et al. count 17 with a separate
     copy of the attention output and dropout masks. Fused (flash) attention stores a
-    log-sum-exp per head and no T x T scores.
+    log-sum-exp per head and no T x T scores. A mixture-of-experts block saves, in place of
+    the MLP's 2r, ``top_k x (3 + 2r)`` units that tensor parallelism does not split (each
+    tp rank runs the routed experts on all its tokens) and ``2 r s`` for s shared experts,
+    which it does.
     """
     r = shape.mlp_ratio
     dropout = shape.dropout > 0
+    moe = shape.moe
+    if moe is None:
+        replicated, sharded, sp_replicated, routing_bytes, residual_dropouts = 4.0, 4.0 + 2.0 * r, 2.0, 0.0, 2
+    else:
+        # Per assignment (top_k a token): its gathered input, the expert's hidden before and
+        # after GELU (r each), the expert's output and its weighted copy; whole on every tp
+        # rank, like the router's fp32 logits and probabilities (E each), its log-sum-exp and
+        # the weights' sum, the chosen weights twice (fp32) and three int64 index tensors.
+        routed = moe.top_k * (3.0 + 2.0 * r)
+        replicated, sp_replicated = 4.0 + routed, 2.0 + routed
+        sharded = 4.0 + 2.0 * r * moe.shared_experts
+        routing_bytes = 2 * 4.0 * moe.experts + 2 * 4.0 + moe.top_k * (2 * 4.0 + 3 * 8.0)
+        residual_dropouts = 1  # the MoE feed-forward has no dropout of its own
     return ActivationProfile(
-        replicated=4.0,
-        sharded=4.0 + 2.0 * r,
-        sp_replicated=2.0,
-        fp32_bytes_per_token=2 * 2 * 4.0,  # two LayerNorms x (mean, rstd) x fp32
+        replicated=replicated,
+        sharded=sharded,
+        sp_replicated=sp_replicated,
+        fp32_bytes_per_token=2 * 2 * 4.0 + routing_bytes,  # two LayerNorms x (mean, rstd) x fp32
         fp32_bytes_per_token_sharded=4.0 * shape.n_head,  # log-sum-exp per head, fp32
         # Residual dropouts after attention and MLP, and attention-probability dropout
         # is regenerated from the RNG state by fused kernels (no mask kept).
-        mask_bytes_per_token=2.0 * shape.d_model if dropout else 0.0,
+        mask_bytes_per_token=residual_dropouts * shape.d_model if dropout else 0.0,
     )
 
 
@@ -164,4 +206,6 @@ def describe_gpt(shape: GPTShape, name: str = "gpt") -> ModelDescription:
         largest_param=counts.largest_param,
         tied_embeddings=shape.tie_embeddings,
         mlp_hidden=counts.mlp_hidden,
+        moe=shape.moe,
+        expert_params_per_layer=counts.expert_params_per_layer,
     )

@@ -73,7 +73,7 @@ def plan_inputs(cfg: Config, checked: ValidatedLayout) -> tuple[ModelDescription
     schedule = _SCHEDULE[par.pp_schedule]
     layout = PlannedLayout(
         strategy=planner_strategy(par, dims.dp_replicate), dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-        tp=dims.tp, pp=dims.pp, cp=dims.cp,
+        tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep,
         micro_batch=max(1, micro), grad_accum=batch.grad_accum * chunks, seq_len=cfg.data.seq_len,
         precision=PRECISIONS[_PRECISION[cfg.precision.dtype]], optimizer=cfg.optim.name, ac=par.ac,
         sequence_parallel=par.sequence_parallel, pp_schedule=schedule,  # type: ignore[arg-type]

@@ -1,9 +1,9 @@
 """The strategy planner: enumerate layouts, keep those that fit, rank them by speed.
 
-Layouts vary the data-parallel strategy, tensor and pipeline degrees, activation
-checkpointing, CPU offload and the micro-batch; the global batch, sequence length,
-precision and optimizer are fixed by the user. Of each (strategy, tp, pp) family only
-the fastest variant that fits is kept, so the ranking shows different layouts rather
+Layouts vary the data-parallel strategy, tensor, pipeline, context- and expert-parallel
+degrees, activation checkpointing, CPU offload and the micro-batch; the global batch,
+sequence length, precision and optimizer are fixed by the user. Of each (strategy, tp, pp,
+cp, ep) family only the fastest variant that fits is kept, so the ranking shows different layouts rather
 than batch sizes. A family none of whose variants fits is reported once, with its
 smallest-memory attempt and what fills it.
 """
@@ -36,6 +36,9 @@ class PlanRequest:
     """Pipeline degrees to try; empty: powers of two up to the layer count."""
     cp: tuple[int, ...] = (1,)
     """Context-parallel degrees to try (only those asked for: they pay off for long sequences)."""
+    ep: tuple[int, ...] = ()
+    """Expert-parallel degrees to try; empty: 1, and for a mixture-of-experts model every
+    power of two up to the GPUs that divides its experts."""
     micro_batches: tuple[int, ...] = ()
     """Micro-batch sizes to try; empty: every power of two dividing the per-rank batch."""
     ac: tuple[str, ...] = AC_MODES
@@ -146,9 +149,18 @@ def _better(step: StepEstimate, memory: MemoryEstimate, best: Candidate) -> bool
     return ours >= theirs * 0.995 and memory.peak_bytes < best.memory.peak_bytes
 
 
-def _family_label(strategy: str, tp: int, pp: int, dp: int, cp: int = 1) -> str:
-    return f"{CONFIG_LABELS[strategy]} dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")
+def _family_label(strategy: str, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> str:
+    return (f"{CONFIG_LABELS[strategy]} dp={dp} tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")
+            + (f" ep={ep}" if ep > 1 else ""))
 
+
+
+def _expert_degrees(desc: ModelDescription, cluster: Cluster, request: PlanRequest) -> tuple[int, ...]:
+    """The ep degrees to try: those asked for, else 1 and (with experts) the powers of two
+    up to the GPUs that divide them."""
+    if request.ep:
+        return request.ep
+    return tuple(ep for ep in _powers_of_two(cluster.n_gpus) if ep == 1 or (desc.experts and desc.experts % ep == 0))
 
 
 def plan(desc: ModelDescription, cluster: Cluster, request: PlanRequest) -> PlanResult:
@@ -158,21 +170,25 @@ def plan(desc: ModelDescription, cluster: Cluster, request: PlanRequest) -> Plan
     result = PlanResult(usable_bytes=usable)
     tps = request.tp or tuple(_powers_of_two(2 * cluster.gpus_per_node))
     pps = request.pp or tuple(_powers_of_two(min(desc.n_layer, cluster.n_gpus)))
-    families = [(strategy, tp, pp, cp) for strategy in request.strategies for tp in tps for pp in pps
-                for cp in request.cp]
-    for strategy, tp, pp, cp in families:
+    families = [(strategy, tp, pp, cp, ep) for strategy in request.strategies for tp in tps for pp in pps
+                for cp in request.cp for ep in _expert_degrees(desc, cluster, request)]
+    for strategy, tp, pp, cp, ep in families:
         if cluster.n_gpus % (tp * pp * cp):
             continue  # not a layout of this many GPUs at all
         dp = cluster.n_gpus // (tp * pp * cp)
         # Under cp, ddp and fsdp reduce gradients over the cp ranks even with dp = 1.
         if redundant(strategy, dp, _hsdp_shard(cluster, tp * cp)) and (cp == 1 or strategy in ("none", "hsdp")):
             continue
+        label = _family_label(strategy, tp, pp, dp, cp, ep)
+        moe_problem = _moe_problem(desc, cluster, strategy, tp, pp, cp, ep)
+        if moe_problem and ep > 1 and not request.ep:
+            continue  # an ep degree nobody asked for, where it cannot run: no news
         problem = (structural_problem(desc, cluster, strategy, tp, pp, request, cp)
-                   or _cp_problem(strategy, pp, cp, request.seq_len))
+                   or _cp_problem(strategy, pp, cp, request.seq_len) or moe_problem)
         if problem:
-            result.rejected.append(Rejection(_family_label(strategy, tp, pp, dp, cp), problem))
+            result.rejected.append(Rejection(label, problem))
             continue
-        _plan_family(desc, cluster, request, strategy, tp, pp, usable, result, cp)
+        _plan_family(desc, cluster, request, strategy, tp, pp, usable, result, cp, ep)
     result.feasible.sort(key=lambda c: -c.step.tokens_per_second)
     result.rejected.sort(key=lambda r: (r.needed_bytes == 0, r.needed_bytes))
     return result
@@ -191,16 +207,39 @@ def _cp_problem(strategy: str, pp: int, cp: int, seq_len: int) -> str | None:
     return None
 
 
+def _moe_problem(desc: ModelDescription, cluster: Cluster, strategy: str, tp: int, pp: int, cp: int,
+                 ep: int) -> str | None:
+    """What experts and parallel.ep need of the rest of the layout (``config.checks`` and
+    ``ParallelDims`` say the same to a run): a MoE model runs without pipeline and context
+    parallelism; ep needs experts it divides and FSDP over a dp_shard it divides."""
+    if desc.moe is not None and pp > 1:
+        return f"a mixture-of-experts model does not combine with pp={pp} (its router losses stay in early stages)"
+    if desc.moe is not None and cp > 1:
+        return f"a mixture-of-experts model does not combine with cp={cp} (router losses on parts of sequences)"
+    if ep == 1:
+        return None
+    if desc.moe is None:
+        return f"ep={ep} splits experts, but {desc.name} has none"
+    if desc.experts % ep:
+        return f"the {desc.experts} experts of a block do not divide over ep={ep}"
+    if strategy not in ("fsdp2", "fsdp3", "hsdp"):
+        return f"ep={ep} needs fsdp (the expert weights differ between its ranks), not {CONFIG_LABELS[strategy]}"
+    dp_shard = _hsdp_shard(cluster, tp * cp) if strategy == "hsdp" else cluster.n_gpus // (tp * pp * cp)
+    if dp_shard % ep:
+        return f"ep={ep} does not divide the sharded data-parallel degree dp_shard={dp_shard}"
+    return None
+
+
 def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest, strategy: str, tp: int, pp: int,
-                 usable: float, result: PlanResult, cp: int = 1) -> None:
-    """Add the fastest variant of (strategy, tp, pp, cp) that fits, or why none does."""
+                 usable: float, result: PlanResult, cp: int = 1, ep: int = 1) -> None:
+    """Add the fastest variant of (strategy, tp, pp, cp, ep) that fits, or why none does."""
     dp = cluster.n_gpus // (tp * pp * cp)
     per_rank = request.global_batch // dp
     best: Candidate | None = None
     closest: tuple[MemoryEstimate, PlannedLayout] | None = None
     for ac, offload, mb in _variants(request, per_rank, strategy):
         layout = make_layout(
-            strategy, cluster.n_gpus, tp=tp, pp=pp, cp=cp, shard=max(1, _hsdp_shard(cluster, tp * cp)),
+            strategy, cluster.n_gpus, tp=tp, pp=pp, cp=cp, ep=ep, shard=max(1, _hsdp_shard(cluster, tp * cp)),
             micro_batch=mb, grad_accum=per_rank // mb, seq_len=request.seq_len, precision=request.precision,
             optimizer=request.optimizer, ac=ac, offload=offload, sequence_parallel=request.sequence_parallel,
             pp_schedule=request.pp_schedule, pp_virtual=request.pp_virtual,
@@ -213,7 +252,7 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
         step = estimate_step(desc, layout, cluster, overlap=request.overlap)
         if best is None or _better(step, memory, best):
             best = Candidate(layout, memory, step)
-    label = _family_label(strategy, tp, pp, dp, cp)
+    label = _family_label(strategy, tp, pp, dp, cp, ep)
     if best is not None:
         result.feasible.append(best)
     elif closest is not None:

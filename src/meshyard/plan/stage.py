@@ -1,5 +1,5 @@
-"""What one device holds: its pipeline stage's layers, its tensor-parallel share of them,
-and how many micro-batches' activations are alive on it at once."""
+"""What one device holds: its pipeline stage's layers, its tensor- and expert-parallel share
+of them, and how many micro-batches' activations are alive on it at once."""
 
 from __future__ import annotations
 
@@ -26,20 +26,38 @@ class StageShape:
     """Micro-batches whose block activations this stage holds at its peak."""
     last_in_flight: float
     """Micro-batches whose head activations this stage holds (last stage only)."""
+    block_expert_params: int = 0
+    """Of ``block_params``, the routed experts this rank holds (1/ep of a block's)."""
 
     @property
     def params(self) -> int:
         """Psi: every parameter this device stores a share of (before data-parallel sharding)."""
         return self.layers * self.block_params + self.root_params
 
+    @property
+    def expert_params(self) -> int:
+        """Of ``params``, the routed experts' (sharded over fewer ranks than the rest)."""
+        return self.layers * self.block_expert_params
 
-def tp_block_params(desc: ModelDescription, tp: int) -> int:
-    """One block's parameters on one TP rank: matmul weights (and their biases, to a close
-    approximation) are split, norms stay replicated."""
-    if tp == 1:
-        return desc.layer_params
-    other = desc.layer_params - desc.matmul_params_per_layer
-    return math.ceil(desc.matmul_params_per_layer / tp) + other
+    def stored_params(self, shard_degree: int, expert_shard_degree: int) -> float:
+        """Parameters whose states this device keeps once the experts are sharded over
+        ``expert_shard_degree`` ranks and the rest over ``shard_degree``."""
+        return (self.params - self.expert_params) / shard_degree + self.expert_params / expert_shard_degree
+
+
+def block_params_per_rank(desc: ModelDescription, tp: int, ep: int = 1) -> tuple[int, int]:
+    """One block's parameters on one rank, and the routed experts' among them. TP splits the
+    matmul weights (and their biases, to a close approximation) of attention, the dense MLP
+    and shared experts; norms, a MoE router and its routed experts stay whole on every tp
+    rank, the experts split over the ``ep`` ranks instead."""
+    experts = desc.expert_params_per_layer
+    if tp == 1 and ep == 1:
+        return desc.layer_params, experts
+    routed_matmul = desc.moe.top_k * experts // desc.moe.experts if desc.moe is not None else 0
+    split = desc.matmul_params_per_layer - desc.router_params_per_layer - routed_matmul
+    whole = desc.layer_params - experts - split
+    local_experts = math.ceil(experts / ep)
+    return math.ceil(split / tp) + whole + local_experts, local_experts
 
 
 def _root_params(desc: ModelDescription, layout: PlannedLayout, first: bool, last: bool) -> int:
@@ -87,7 +105,7 @@ def stage_shapes(desc: ModelDescription, layout: PlannedLayout) -> list[StageSha
     """
     p = layout.pp
     per_stage = [desc.n_layer // p + (1 if s < desc.n_layer % p else 0) for s in range(p)]
-    block = tp_block_params(desc, layout.tp)
+    block, block_experts = block_params_per_rank(desc, layout.tp, layout.ep)
     stages = sorted({0, p - 1})
     shapes = []
     for s in stages:
@@ -97,5 +115,6 @@ def stage_shapes(desc: ModelDescription, layout: PlannedLayout) -> list[StageSha
             root_params=_root_params(desc, layout, first, last),
             in_flight=in_flight_micro_batches(layout, s),
             last_in_flight=float(layout.grad_accum) if layout.pp_schedule == "gpipe" and p > 1 else 1.0,
+            block_expert_params=block_experts,
         ))
     return shapes
