@@ -76,7 +76,7 @@ def model_state_items(shape: StageShape, layout: PlannedLayout) -> list[MemoryIt
     k_text = f"K = {prec.master} master + {layout.n_optimizer_states} x {prec.state}"
     if shape.expert_params and layout.ep > 1:
         n_e, psi_e = layout.expert_shard_degree, fmt_count(shape.expert_params)
-        sharded, share = shape.stored_params(n, n_e), "(Psi-Psi_e)/N + Psi_e/N_e"
+        sharded, share = shape.stored_params(n, n_e), "((Psi-Psi_e)/N + Psi_e/N_e)"
         count = f"({ps} - {psi_e}) / {n} + {psi_e} / {n_e}"
         optimizer_text = f"K*{share} ({k_text}) x {count}"
     else:

@@ -21,9 +21,13 @@ from meshyard.plan.units import fmt_bytes, fmt_count, fmt_seconds
 def render_model(console: Console, desc: ModelDescription, seq_len: int) -> None:
     """One paragraph on the model: size, FLOPs, activations."""
     flops = desc.training_flops_per_token(seq_len)
+    experts = ""
+    if desc.moe is not None:
+        experts = (f", {desc.moe.experts} experts a block (top-{desc.moe.top_k}; "
+                   f"{fmt_count(desc.n_layer * desc.expert_params_per_layer)} parameters in routed experts)")
     console.print(
         f"[bold]{desc.name}[/]: {fmt_count(desc.n_params)} parameters ({desc.n_layer} layers x "
-        f"{fmt_count(desc.layer_params)} + {fmt_count(desc.n_params - desc.block_params)} outside), "
+        f"{fmt_count(desc.layer_params)} + {fmt_count(desc.n_params - desc.block_params)} outside){experts}, "
         f"d_model={desc.d_model}, vocab={desc.vocab_size}; training {fmt_count(flops)}FLOP/token at "
         f"seq {seq_len}; {desc.activations.total_units:g} x d_model activations saved per token per layer."
     )
