@@ -46,20 +46,7 @@ assumptions are described in docs/plan.md."""
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    model = p.add_argument_group("model")
-    model.add_argument("--config", help="meshyard TOML config: its [model], data.seq_len, train.global_batch, "
-                                        "optim.name and precision.dtype become the defaults")
-    model.add_argument("--model", help="gpt-tiny ... gpt2-124m, 'gpt' with --n-layer/--n-head/--d-model, 'mlp', "
-                                       "or your builder as module:function / file.py:function (default gpt2-124m)")
-    model.add_argument("--n-layer", type=int, help="blocks (custom GPT)")
-    model.add_argument("--n-head", type=int, help="attention heads (custom GPT)")
-    model.add_argument("--d-model", type=int, help="hidden width (custom GPT)")
-    model.add_argument("--vocab-size", type=int, help="vocabulary (default 50257, the GPT-2 tokenizer's)")
-    model.add_argument("--untied-embeddings", action="store_true", help="separate output head (default: tied)")
-    model.add_argument("--moe-experts", type=int, help="routed experts in every block's mixture-of-experts "
-                                                       "feed-forward (GPT; default 0: dense, or the config's)")
-    model.add_argument("--moe-top-k", type=int, help="experts each token is routed to (default 2, or the config's)")
-    model.add_argument("--moe-shared-experts", type=int, help="always-active experts (default 0, or the config's)")
+    _add_model_arguments(p)
     train = p.add_argument_group("training")
     train.add_argument("--seq-len", type=int, help="tokens per sample (default 1024)")
     train.add_argument("--global-batch", type=int, help="samples per optimizer step (default about 0.5M tokens)")
@@ -106,6 +93,23 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("--pp-virtual", type=int, default=1, help="model chunks per rank (interleaved)")
     search.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
     _add_output_arguments(p)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model")
+    model.add_argument("--config", help="meshyard TOML config: its [model], data.seq_len, train.global_batch, "
+                                        "optim.name and precision.dtype become the defaults")
+    model.add_argument("--model", help="gpt-tiny ... gpt2-124m, 'gpt' with --n-layer/--n-head/--d-model, 'mlp', "
+                                       "or your builder as module:function / file.py:function (default gpt2-124m)")
+    model.add_argument("--n-layer", type=int, help="blocks (custom GPT)")
+    model.add_argument("--n-head", type=int, help="attention heads (custom GPT)")
+    model.add_argument("--d-model", type=int, help="hidden width (custom GPT)")
+    model.add_argument("--vocab-size", type=int, help="vocabulary (default 50257, the GPT-2 tokenizer's)")
+    model.add_argument("--untied-embeddings", action="store_true", help="separate output head (default: tied)")
+    model.add_argument("--moe-experts", type=int, help="routed experts in every block's mixture-of-experts "
+                                                       "feed-forward (GPT; default 0: dense, or the config's)")
+    model.add_argument("--moe-top-k", type=int, help="experts each token is routed to (default 2, or the config's)")
+    model.add_argument("--moe-shared-experts", type=int, help="always-active experts (default 0, or the config's)")
 
 
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
