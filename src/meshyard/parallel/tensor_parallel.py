@@ -2,7 +2,9 @@
 
 Each block: attention heads and the MLP's hidden units are split over the ``tp`` ranks
 (column-parallel in, row-parallel out), so a block costs two all-reduces (or, with
-sequence parallelism, an all-gather and a reduce-scatter each) per forward. With
+sequence parallelism, an all-gather and a reduce-scatter each) per forward. A
+mixture-of-experts block splits its attention and shared experts; its router and routed
+experts run whole on every tp rank, on the same tokens (``_moe_plan``). With
 sequence parallelism the norms, dropouts and residual stream between the blocks hold
 only ``seq_len / tp`` positions per rank. The token embedding is split by vocabulary;
 the output head, tied to it or not, by vocabulary too.
@@ -293,14 +295,11 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
 
 
 def _moe_plan(moe: MoEFeedForward, between: Shard | Replicate) -> dict[str, ParallelStyle]:
-    """A mixture-of-experts feed-forward: every tp rank takes the whole hidden state of its
-    tokens (gathered along the sequence under sequence parallelism), so each routes the same
-    tokens to the same experts; the routed experts are not split by tp (expert parallelism
-    spreads them) and the router stays whole, its logits computed alike on every rank. The
-    result goes back to the residual stream's layout (a local slice along the sequence, whose
-    backward gathers the gradient, so every rank runs the experts' backward on all of it).
-    Shared experts are a dense feed-forward on every token and are split like one: by hidden
-    units, their outputs summed over the tp ranks before they join the routed ones."""
+    """A mixture-of-experts feed-forward: each tp rank takes the whole hidden state of its
+    tokens (gathered along the sequence under SP) and routes them alike through a whole
+    router and whole experts (expert parallelism spreads those); the output returns to the
+    residual stream's layout (a slice whose backward gathers the gradient). Shared experts,
+    dense on every token, are split by hidden units and summed over tp like a dense MLP."""
     plan: dict[str, ParallelStyle] = {
         "mlp": PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
                                         use_local_input=True, output_layouts=(Replicate(),),
