@@ -287,7 +287,8 @@ def _model_problems(cfg: Config, validated: ValidatedLayout) -> list[str]:
     tokens = example_micro_batch(min(validated.batch.micro_batch, layout.microbatches), layout.microbatches,
                                  cfg.data.seq_len)
     with _torch_quiet():
-        return model_layout_problems(model, cfg.parallel, layout.dims, tokens, shape_checked=_is_gpt(m.name))
+        return model_layout_problems(model, cfg.parallel, layout.dims, tokens, shape_checked=_is_gpt(m.name),
+                                     seq_len=cfg.data.seq_len)
 
 
 @contextmanager

@@ -180,3 +180,15 @@ def test_a_mask_for_cuda_attention_starts_and_strides_on_16_byte_boundaries(dtyp
     # Off CUDA the view itself: no copy per step.
     assert last_columns(wide, 5, align=False).data_ptr() == wide[..., -5:].data_ptr()
     assert last_columns(wide, 5).data_ptr() == wide[..., -5:].data_ptr()
+
+
+def test_cached_forwards_on_cuda_keep_to_attention_kernels_that_need_no_plan_per_shape():
+    # The key length changes every step: cuDNN's attention would build a plan each time.
+    from meshyard.models.kv_cache import planless_attention
+
+    with planless_attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    with planless_attention(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()

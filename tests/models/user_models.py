@@ -11,6 +11,8 @@
   default dropout 0.1 unless ``dropout`` says otherwise) and ``hf_neox`` (a fused
   query_key_value laid out per head, parallel residual): Hugging Face models whose
   configs publish their own tensor- and pipeline-parallel plans (NeoX) or none (OPT).
+- ``hf_mistral``: a Llama-style model whose attention keeps to a ``sliding_window`` of
+  recent tokens when one is given.
 - ``broken_forward``: raises a ValueError in its forward (from a helper function), on
   every rank or only on ``rank``: how a failing worker is reported.
 
@@ -142,6 +144,16 @@ def hf_llama(vocab_size: int, context_length: int, n_layer: int = 4) -> nn.Modul
                          bos_token_id=0, eos_token_id=0, use_cache=False,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
+
+
+def hf_mistral(vocab_size: int, context_length: int, n_layer: int = 2, sliding_window: int | None = None) -> nn.Module:
+    """A Llama-style model whose attention may keep to a sliding window of recent tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context_length,
+                           sliding_window=sliding_window, bos_token_id=0, eos_token_id=0, use_cache=False)
+    return MistralForCausalLM(config)
 
 
 def hf_opt(vocab_size: int, context_length: int, n_layer: int = 2, dropout: float = 0.1) -> nn.Module:

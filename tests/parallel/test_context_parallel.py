@@ -11,19 +11,24 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshyard.cli import main
 from meshyard.config.checks import field_problems
 from meshyard.config.load import load_config
+from meshyard.config.sections import ParallelConfig
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.models.outputs import logits_of
-from meshyard.parallel.context_parallel import apply_cp, cp_problems
+from meshyard.parallel.context_parallel import (ContextParallelError, SequenceSplit, _hf_ring_attention,
+                                                _map_positions, apply_cp, cp_problems)
+from meshyard.parallel.layout import Layout
 from meshyard.parallel.ring_attention import Ring, _pairs, chunk_order, ring_attention
+from meshyard.runtime.parallel_dims import ParallelDims
 from meshyard.train.loss import IGNORE_INDEX, next_token_loss, split_sequence_loss
 from tests import shared_spawn
 from tests.models import user_models
-from tests.models.user_models import hf_llama, nanogpt
+from tests.models.user_models import hf_llama, hf_mistral, nanogpt
 
 MODELS = Path(user_models.__file__)
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -64,10 +69,87 @@ def test_a_user_model_with_cp_exits_2_before_starting(tmp_path, capsys):
      "data.seq_len = 30 is not divisible by 2 x parallel.cp = 4"),
     (["--parallel.strategy=fsdp", "--parallel.cp=2", "--parallel.pp=2"], "does not combine with parallel.pp = 2"),
     (["--parallel.cp=0"], "parallel.cp = 0 must be at least 1"),
+    # 12 tokens split over cp = 2 leave 6 per rank, which sequence parallelism cannot split over tp = 4.
+    (["--parallel.strategy=fsdp", "--parallel.cp=2", "--parallel.tp=4", "--data.seq_len=12"],
+     "data.seq_len / parallel.cp = 12 / 2 = 6 tokens per rank are not divisible by parallel.tp = 4"),
 ])
 def test_config_checks_name_what_cp_needs(overrides, expected):
     problems = field_problems(load_config(None, overrides))
     assert any(expected in problem for problem in problems), problems
+
+
+def test_sequence_parallel_under_cp_needs_only_each_ranks_tokens_divisible_by_tp():
+    problems = field_problems(load_config(None, ["--parallel.strategy=fsdp", "--parallel.cp=2", "--parallel.tp=4",
+                                                 "--data.seq_len=24"]))
+    assert not [p for p in problems if "seq_len" in p], problems
+
+
+@pytest.mark.parametrize("tp, cp, expected", [(2, 2, "fsdp"), (1, 2, "ddp"), (2, 1, "none")])
+def test_ddp_replicates_a_tensor_parallel_model_over_its_cp_ranks_with_fsdp(tp, cp, expected):
+    """DDP takes no DTensor parameters: under tp > 1 the cp ranks' replicas are FSDP2's."""
+    layout = Layout(ParallelConfig(strategy="ddp", tp=tp, cp=cp), ParallelDims(1, 1, tp, 1, tp * cp, cp=cp))
+    assert layout.data_parallel == expected
+    assert layout.replicates_with_fsdp == (expected == "fsdp")
+
+
+class _Rotary(nn.Module):
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return position_ids
+
+
+def test_positions_are_mapped_whether_passed_by_keyword_or_by_place():
+    rotary = _Rotary()
+    # Rank 0 of 2 holds chunks 0 and 3 of a 16-token sequence: positions 0-3 and 12-15.
+    _map_positions(rotary, SequenceSplit(Ring(None, 0, 2)), index=1, name="position_ids")
+    local, hidden = torch.arange(8).unsqueeze(0), torch.zeros(1, 8, 4)
+    true = torch.tensor([[0, 1, 2, 3, 12, 13, 14, 15]])
+    assert torch.equal(rotary(hidden, position_ids=local), true)
+    assert torch.equal(rotary(hidden, local), true)
+    with pytest.raises(ContextParallelError, match="called without positions"):
+        rotary(hidden)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_a_sliding_window_shorter_than_the_sequence_is_refused():
+    with torch.device("meta"):
+        assert cp_problems(hf_mistral(64, 32, sliding_window=32), 2, seq_len=32) == []
+        window = cp_problems(hf_mistral(64, 32, sliding_window=16), 2, seq_len=32)
+    assert len(window) == 1 and "sliding window of 16 tokens" in window[0] and "data.seq_len <= 16" in window[0]
+
+
+def test_the_ring_refuses_attention_features_it_does_not_compute_when_they_reach_it():
+    """A window shorter than the whole sequence (8 local tokens x 2 ranks) or a softcap,
+    from a model whose config did not announce them."""
+    attention = nn.Module()
+    attention.context_parallel_split = SequenceSplit(Ring(None, 0, 2))
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ContextParallelError, match="sliding window of 15 tokens"):
+        _hf_ring_attention(attention, q, q, q, None, sliding_window=15)
+    with pytest.raises(ContextParallelError, match="softcap"):
+        _hf_ring_attention(attention, q, q, q, None, sliding_window=16, softcap=30.0)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_softcapped_logits_and_attention_sinks_are_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    with torch.device("meta"):
+        softcapped = cp_problems(Gemma2ForCausalLM(Gemma2Config(**small, attn_logit_softcapping=50.0)), 2, 32)
+        sinks = cp_problems(GptOssForCausalLM(GptOssConfig(**small, num_local_experts=2, num_experts_per_tok=1)),
+                            2, 32)
+    assert len(softcapped) == 1 and "config.attn_logit_softcapping" in softcapped[0]
+    assert len(sinks) == 1 and "attention sinks" in sinks[0]
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_a_sliding_window_shorter_than_the_sequence_exits_2_before_starting(tmp_path, capsys):
+    code = main(["run", f"--model.name={MODELS}:hf_mistral", "--model.options={sliding_window = 8}",
+                 "--data.source=random", "--data.seq_len=16", "--parallel.strategy=fsdp", "--parallel.cp=2",
+                 "--nproc", "2", f"--run.dir={tmp_path}"])
+    assert code == 2
+    assert "attends within a sliding window of 8 tokens" in capsys.readouterr().err
 
 
 # --- on 2 and 4 ranks -------------------------------------------------------------------------

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshyard.train.loss import IGNORE_INDEX, chunked_cross_entropy, next_token_loss
+from meshyard.train.loss import IGNORE_INDEX, chunked_cross_entropy, next_token_loss, split_sequence_loss
 
 
 def _logits_and_targets(rows: int = 37, vocab: int = 50, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -49,6 +50,18 @@ def test_an_all_ignored_batch_is_nan_as_in_pytorch():
     logits, targets = _logits_and_targets(rows=4, dtype=torch.bfloat16)
     targets[:] = IGNORE_INDEX
     assert next_token_loss(logits, targets).isnan() and F.cross_entropy(logits.float(), targets).isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_sequence_part_whose_tokens_are_all_ignored_gets_a_zero_loss_and_gradient(dtype, monkeypatch):
+    """Under context parallelism one rank's part of the sequences may hold no counted token
+    while the other ranks' parts hold some (here 5, the all-reduce's answer)."""
+    monkeypatch.setattr(dist, "all_reduce", lambda count, group: count.add_(5))
+    logits, _ = _logits_and_targets(rows=8, dtype=dtype)
+    logits = logits.reshape(2, 4, -1).requires_grad_()
+    loss = split_sequence_loss(logits, torch.full((2, 4), IGNORE_INDEX), None, 2)
+    loss.backward()
+    assert loss.item() == 0 and logits.grad.dtype == dtype and torch.equal(logits.grad, torch.zeros_like(logits))
 
 
 def test_fp32_logits_take_pytorchs_cross_entropy_unchanged():

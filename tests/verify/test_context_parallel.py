@@ -1,6 +1,7 @@
 """``meshyard verify``'s comparison for context parallelism: cp = 2 and cp = 4, cp x fsdp
-and cp x tp on 4 ranks, and a Hugging Face Llama under cp = 2, each trained as the
-command trains it and compared with one process by ``compare_runs``.
+and cp x tp on 4 ranks, cp under 'ddp' (cp x tp too), and a Hugging Face Llama under
+cp = 2, each trained as the command trains it and compared with one process by
+``compare_runs``.
 
 The layout runs share the session's spawns of 2 and 4 ranks (``tests.shared_spawn``);
 the one-process runs train here, one per model and micro-batch size."""
@@ -31,6 +32,9 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "cp4": (4, ["--parallel.strategy=fsdp", "--parallel.cp=4"]),
     "cp2-fsdp2": (4, ["--parallel.strategy=fsdp", "--parallel.cp=2"]),
     "cp2-tp2": (4, ["--parallel.strategy=fsdp", "--parallel.cp=2", "--parallel.tp=2"]),
+    # 'ddp': DDP over the cp ranks; with tp, FSDP2 replication over them (DDP takes no DTensors).
+    "cp2-ddp": (2, ["--parallel.strategy=ddp", "--parallel.cp=2"]),
+    "cp2-tp2-ddp": (4, ["--parallel.strategy=ddp", "--parallel.cp=2", "--parallel.tp=2"]),
 }
 
 

@@ -223,9 +223,17 @@ def _combination_problems(p: ParallelConfig, c: CommConfig, d: DataConfig) -> li
          "wrap a tensor-parallel model, so 'ddp' replicates it with FSDP2 (or, when every rank is "
          "tensor-parallel, has nothing to replicate), and no DDP communication hook runs; use "
          "comm.compression = 'none' (or parallel.tp = 1 to compress)"),
-        (not (p.tp > 1 and d.seq_len % p.tp and p.sequence_parallel),
+        (not (p.tp > 1 and p.cp == 1 and d.seq_len % p.tp and p.sequence_parallel),
          f"data.seq_len = {d.seq_len} is not divisible by parallel.tp = {p.tp} (sequence parallelism splits "
          "the sequence); change one or set parallel.sequence_parallel = false"),
+        # Under context parallelism each rank holds seq_len / cp tokens, and those are what
+        # sequence parallelism splits over tp (a length cp does not divide is named apart).
+        (not (p.tp > 1 and p.cp > 1 and d.seq_len % p.cp == 0 and (d.seq_len // p.cp) % p.tp
+              and p.sequence_parallel),
+         f"data.seq_len / parallel.cp = {d.seq_len} / {p.cp} = {d.seq_len // max(p.cp, 1)} tokens per rank are not "
+         f"divisible by parallel.tp = {p.tp} (sequence parallelism splits each rank's part of the sequence); use a "
+         f"data.seq_len that is a multiple of {math.lcm(2 * p.cp, p.cp * p.tp)}, or set parallel.sequence_parallel = "
+         "false"),
         (not (p.tp > 1 and p.strategy == "zero1"),
          "parallel.strategy = 'zero1' does not combine with parallel.tp > 1; use 'fsdp' (FSDP x TP)"),
         (not (p.pp > 1 and p.strategy == "zero1"),

@@ -17,7 +17,7 @@ from torch import nn
 
 from meshyard.models.decode_graph import DecodeGraph
 from meshyard.models.gpt_decoding import GPTDecoder
-from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex
+from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex, planless_attention
 from meshyard.models.moe import GroupedExperts, MoEFeedForward, MoEShape
 
 
@@ -178,7 +178,8 @@ class GPT(nn.Module):
         position 0 (training). With it: the new tokens of each row, appended to its slot (or
         written at ``positions``), attending to what the slot holds (see ``models.kv_cache``)."""
         if cache is not None:
-            return self._forward_cached(tokens, cache, slots, positions)
+            with planless_attention(cache.device):
+                return self._forward_cached(tokens, cache, slots, positions)
         seq = tokens.shape[1]
         if seq > self.shape.context_length:
             raise ValueError(f"sequence of {seq} tokens exceeds context_length={self.shape.context_length}")

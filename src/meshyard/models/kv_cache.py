@@ -32,13 +32,15 @@ them, calls ``step.store(i, kv)`` and ``step.read(i, q)`` instead: one write per
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SlotIndex = torch.Tensor | Sequence[int]
 
@@ -48,6 +50,19 @@ SlotIndex = torch.Tensor | Sequence[int]
 # DRAM-bound reads of the cache, measured on CPU for decoding steps. The split of a forward's
 # rows into calls (``group_slots``) weighs the two.
 SPLIT_COST_ELEMENTS = 48 * 1024
+
+
+# Attention kernels that run any shape as it comes. A cached forward's key length changes
+# with every step and every prompt, and cuDNN's attention, which PyTorch may choose on recent
+# GPUs, builds an execution plan for each new shape on the host before it runs: a decoding
+# step would pay a plan build per step.
+PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def planless_attention(device: torch.device) -> ContextManager[None]:
+    """The attention kernels a cached forward on ``device`` may use (see ``PLANLESS_ATTENTION``);
+    off CUDA there is nothing to exclude."""
+    return sdpa_kernel(PLANLESS_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from meshyard.runtime.parallel_dims import ParallelDims
 
 
 def layout_problems(model: nn.Module, cfg: ParallelConfig, dims: ParallelDims,
-                    example_tokens: torch.Tensor | None = None, *, shape_checked: bool = False) -> list[str]:
+                    example_tokens: torch.Tensor | None = None, *, shape_checked: bool = False,
+                    seq_len: int | None = None) -> list[str]:
     """Why ``model`` (built on the meta device or anywhere) cannot run under ``cfg`` on
     ``dims``: one line per problem, [] when it can.
 
@@ -39,10 +40,12 @@ def layout_problems(model: nn.Module, cfg: ParallelConfig, dims: ParallelDims,
     a pipelined model (``pipeline.example_micro_batch``; default one sample of 8 tokens).
     ``shape_checked``: the tensor and pipeline fit were already checked from the config
     (meshyard's GPT, whose shape the config holds): only the units are inspected.
+    ``seq_len``: the training sequence length, which context parallelism judges an
+    attention's sliding window against (None: windows are left to the workers).
     """
     problems = [*unit_problems(model, cfg.fsdp_units), *ac_problems(model, cfg.ac, cfg.fsdp_units)]
     if dims.cp > 1:
-        problems.extend(cp_problems(model, dims.cp))
+        problems.extend(cp_problems(model, dims.cp, seq_len))
     if shape_checked:
         return problems
     if dims.tp > 1:

@@ -43,9 +43,11 @@ class Layout:
         interleaved micro-batch backwards. Tensor-parallel models: DDP takes no DTensor
         parameters, and torch's DDP + TP path (``device_mesh=``) swaps them for plain
         attributes after the first forward, leaving no parameters to clip, optimize or
-        checkpoint."""
+        checkpoint. Under context parallelism the cp ranks are replicas too (gradients
+        reduced over dp_replicate x cp): a tensor-parallel model is then replicated by
+        FSDP2 even with dp_replicate = 1."""
         dims = self.dims
-        return self.cfg.strategy == "ddp" and (dims.pp > 1 or (dims.tp > 1 and dims.dp_replicate > 1))
+        return self.cfg.strategy == "ddp" and (dims.pp > 1 or (dims.tp > 1 and dims.dp_replicate * dims.cp > 1))
 
     @property
     def shards_nothing(self) -> bool:

@@ -120,11 +120,15 @@ def _parallelize_whole(model: nn.Module, layout: Layout, mesh: DeviceMesh, compu
 def _fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """Where FSDP shards: over dp_shard, with dp_replicate as HSDP's replicas in one 2-D
     mesh; under context parallelism over dp_shard x cp flattened, since the cp ranks
-    compute gradients of one model from different tokens (torchtitan's ``dp_shard_cp``)."""
+    compute gradients of one model from different tokens (torchtitan's ``dp_shard_cp``).
+    'ddp' carried out by FSDP2 replicates over dp_replicate x cp instead (a 2-D mesh whose
+    shard dimension is 1, HSDP's pure replication), as DDP would over ``_ddp_mesh``."""
     dims = layout.dims
     if not layout.context_parallel:
         return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    if layout.replicates_with_fsdp:  # dp_shard is 1 under 'ddp'
+        return flat._unflatten(0, (dims.dp_replicate * dims.cp, 1), ("dp_cp_replicate", "dp_cp_shard"))
     if dims.dp_replicate == 1:
         return flat
     return flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp"))

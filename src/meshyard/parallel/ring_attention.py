@@ -22,6 +22,7 @@ which run on every device, in fp32 whatever the inputs' dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,19 @@ class Ring:
                dist.P2POp(dist.irecv, incoming, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)]
         return incoming, dist.batch_isend_irecv(ops)
 
+    def circulate(self, block: torch.Tensor, tag: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(step, block held at that step) for each of the ring's ``size`` steps, starting
+        with this rank's own ``block``; each held block is already on its way to the next
+        rank while the caller computes on it, and the following one arriving."""
+        held, requests = block, []
+        for step in range(self.size):
+            if step:
+                _wait(requests)
+                held = incoming
+            if step + 1 < self.size:
+                incoming, requests = self.pass_on(held, tag)
+            yield step, held
+
 
 def _wait(requests: list[dist.Work]) -> None:
     for request in requests:
@@ -92,13 +106,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
     q32 = q.float()
     out = torch.zeros_like(q32)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    held, requests = torch.stack([k, v]), []
-    for step in range(ring.size):
-        if step:
-            _wait(requests)
-            held = incoming
-        if step + 1 < ring.size:  # the next block is on its way while this one is computed
-            incoming, requests = ring.pass_on(held, KV_TAG)
+    for step, held in ring.circulate(torch.stack([k, v]), KV_TAG):
         k_halves, v_halves = _halves(held[0].float()), _halves(held[1].float())
         q_halves, out_halves, lse_halves = _halves(q32), _halves(out), lse.chunk(2, dim=-1)
         for qi, ki, diagonal in _pairs(ring, step):
@@ -119,14 +127,8 @@ def ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     q32, grad32 = q.float(), grad_out.float()
     row_dot = (grad32 * out).sum(-1)  # D_i = dO_i . O_i, the softmax Jacobian's diagonal term
     grad_q = torch.zeros_like(q32)
-    held, kv_requests = torch.stack([k, v]), []
     grad_held, grad_requests = None, []
-    for step in range(ring.size):
-        if step:
-            _wait(kv_requests)
-            held = incoming
-        if step + 1 < ring.size:
-            incoming, kv_requests = ring.pass_on(held, KV_TAG)
+    for step, held in ring.circulate(torch.stack([k, v]), KV_TAG):
         local = _block_gradients(ring, step, q32, grad32, row_dot, lse, held, grad_q, scale)
         if step:  # the gradient of this block accumulated by the ranks it visited before
             _wait(grad_requests)

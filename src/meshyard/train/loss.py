@@ -94,7 +94,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         rows_per_chunk = ctx.rows_per_chunk
         grad_logits = torch.empty_like(logits)
         # d loss / d logit = (softmax - one_hot(target)) * grad / count, zero on ignored rows.
-        row_scale = counted.float() * (grad_loss.float() / count)
+        # With no counted row (a context-parallel rank's tokens all ignored) every row's
+        # scale is 0: the clamp keeps 0 x (0 / 0) = NaN out of the gradient.
+        row_scale = counted.float() * (grad_loss.float() / count.clamp(min=1))
         for start in range(0, logits.shape[0], rows_per_chunk):
             block = slice(start, start + rows_per_chunk)
             grad = torch.exp(logits[block].float() - lse[block].unsqueeze(1))
