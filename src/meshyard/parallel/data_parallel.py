@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,7 +69,8 @@ def apply_fsdp(
     the expert weights (split over the ``ep`` ranks already) are sharded over, each MoE
     layer's experts a unit of their own whose reduced gradient is divided by
     ``expert_divide_factor`` (the whole data-parallel degree: every rank's tokens reached
-    them through the all-to-all).
+    them through the all-to-all), reduced in fp32 where fp16 gradients would be divided
+    twice (``_expert_policy``).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = (CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload
@@ -77,8 +79,8 @@ def apply_fsdp(
     if log is not None:
         log(describe_units(model, blocks))
     for experts in expert_modules(model) if expert_mesh is not None else ():
-        fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    offload_policy=offload)
+        fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=_expert_policy(policy, expert_mesh, experts.w_in.dtype), offload_policy=offload)
         if expert_divide_factor is not None:
             experts.set_gradient_divide_factor(expert_divide_factor)
             # Reduce-scattered gradients: a sum, then a division, since a division inside
@@ -94,6 +96,22 @@ def apply_fsdp(
                 offload_policy=offload)
     set_prefetch(blocks, forward_prefetch, backward_prefetch)
     return model
+
+
+def _expert_policy(policy: MixedPrecisionPolicy, expert_mesh: DeviceMesh,
+                   weight_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """The mixed precision of the expert units: ``policy``, but reducing in fp32 where their
+    mesh's shard dimension has one rank (dp_shard = ep) and the gradients are fp16.
+
+    There FSDP copies the gradient instead of reduce-scattering it and divides it by the
+    divide factor while copying; for fp16 gradients it also splits that factor into a
+    division before and one after the reduction (against overflow), and applies them too:
+    the gradient would be divided by the factor's square. fp32 and bf16 gradients take no
+    such split, so the copy's division is the only one."""
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype or weight_dtype
+    if expert_mesh.size(-1) > 1 or reduce_dtype in (torch.float32, torch.bfloat16):
+        return policy
+    return dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
