@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,8 +23,9 @@ def layer(experts: int = 4, top_k: int = 2, **kwargs) -> MoEFeedForward:
     return moe
 
 
-def reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
-    """Token by token: the weighted sum of its top-k experts' outputs (no capacity limit)."""
+def reference(moe: MoEFeedForward, x: torch.Tensor, dropped: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """Token by token: the weighted sum of its top-k experts' outputs, but for the (token,
+    expert) assignments in ``dropped``."""
     flat = x.reshape(-1, D)
     probs = moe.router.gate(flat).float().softmax(-1)
     out = torch.zeros_like(flat)
@@ -31,9 +34,32 @@ def reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         if moe.moe.top_k > 1:  # top-1 keeps its probability: the router's only gradient
             weights = weights / weights.sum()
         for w, e in zip(weights, chosen):
-            hidden = F.gelu(flat[t] @ moe.experts.w_in[e], approximate="tanh")
-            out[t] += w * (hidden @ moe.experts.w_out[e])
+            if (t, e.item()) not in dropped:
+                hidden = F.gelu(flat[t] @ moe.experts.w_in[e], approximate="tanh")
+                out[t] += w * (hidden @ moe.experts.w_out[e])
     return out.reshape(x.shape)
+
+
+LOGITS = [  # router logits of four tokens over four experts; top-2 choices (first, second):
+    [2.0, 3.0, 0.0, 0.0],  # expert 1, expert 0
+    [3.0, 0.0, 2.0, 0.0],  # expert 0, expert 2
+    [3.0, 0.0, 0.0, 2.0],  # expert 0, expert 3
+    [0.0, 0.0, 3.0, 2.0],  # expert 2, expert 3
+]
+"""Expert 0 is the first choice of tokens 1 and 2 and the second of token 0; every other
+expert takes two assignments at most."""
+
+
+def designed_layer(**kwargs) -> tuple[MoEFeedForward, torch.Tensor]:
+    """A layer with four experts whose router gives the tokens of the returned input the
+    logits ``LOGITS`` (the gate reads their first four features)."""
+    moe = layer(experts=4, **kwargs)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[:, :4] = torch.eye(4)
+    x = torch.randn(1, 4, D)
+    x[0, :, :4] = torch.tensor(LOGITS)
+    return moe, x
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
@@ -69,19 +95,47 @@ def test_capacity_keeps_the_first_tokens_of_each_expert_and_counts_the_rest():
     torch.testing.assert_close(out[:, :2], reference(moe, x[:, :2]))
 
 
-def test_router_losses_are_one_and_log_experts_squared_for_a_uniform_router():
-    """Switch's balance loss is 1 for an even load; the z-loss of all-zero logits is
-    log(experts)^2; both reach the gate's gradient through the weighted sum."""
-    moe = layer(experts=4, top_k=2, aux_loss_weight=0.5, z_loss_weight=0.25)
+def test_top2_capacity_keeps_first_choices_before_second_choices():
+    """Capacity 2 (factor 1: 4 tokens x top-2 / 4 experts) and three assignments to expert
+    0: tokens 1 and 2 chose it first and keep it; token 0, for which it is the second
+    choice, loses it although it comes first in token order, and keeps only expert 1."""
+    moe, x = designed_layer(top_k=2, capacity_factor=1.0)
+    out = moe(x)
+    assert moe.capacity(4) == 2
+    assert moe.last_routing.tokens_per_expert.tolist() == [3, 1, 2, 2]
+    assert moe.last_routing.dropped.item() == 1
+    torch.testing.assert_close(out, reference(moe, x, dropped=((0, 0),)), rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_is_dropless_so_a_row_does_not_depend_on_its_batch():
+    """In eval mode the capacity limit is off: every assignment reaches its expert, and a
+    row's output is the same alone as in a batch with other rows."""
+    moe, x = designed_layer(top_k=2, capacity_factor=1.0)
+    moe.eval()
     with torch.no_grad():
-        moe.router.gate.weight.zero_()
-    moe(torch.randn(3, 4, D))
+        out = moe(x)
+        assert moe.last_routing.dropped.item() == 0
+        torch.testing.assert_close(out, reference(moe, x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(moe(x[:, :1]), out[:, :1], rtol=1e-5, atol=1e-6)
+
+
+def test_router_losses_are_the_switch_and_st_moe_formulas():
+    """Balance: experts x sum over experts of (share of the assignments) x (mean router
+    probability); z-loss: the mean squared log-sum-exp of the logits. Written out here for
+    the designed logits, whose top-2 choices give experts 0-3 3, 1, 2 and 2 of the 8
+    assignments; both losses reach the gate's gradient through the weighted sum."""
+    moe, x = designed_layer(top_k=2, aux_loss_weight=0.5, z_loss_weight=0.25)
+    moe(x)
     total, balance, z_loss = routing_losses([moe])
-    assert balance.item() == pytest.approx(1.0)
-    assert z_loss.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)
+    probs = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in LOGITS]
+    mean_probs = [sum(row[e] for row in probs) / 4 for e in range(4)]
+    share = [3 / 8, 1 / 8, 2 / 8, 2 / 8]
+    assert balance.item() == pytest.approx(4 * sum(f * p for f, p in zip(share, mean_probs)), rel=1e-6)
+    want_z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in LOGITS) / 4
+    assert z_loss.item() == pytest.approx(want_z, rel=1e-6)
     assert total.item() == pytest.approx(0.5 * balance.item() + 0.25 * z_loss.item())
     total.backward()
-    assert moe.router.gate.weight.grad is not None
+    assert moe.router.gate.weight.grad is not None and moe.router.gate.weight.grad.abs().sum() > 0
 
 
 def test_balance_loss_rises_with_imbalance():

@@ -37,6 +37,7 @@ from meshyard.checkpoint.state import SafeLoadPlanner
 from meshyard.config.load import ConfigError
 from meshyard.extras import require
 from meshyard.models.hf_gpt2 import NotGPT2, gpt2_name
+from meshyard.models.local_part import local_part
 from meshyard.parallel.data_parallel import unwrap
 
 SHOWN_NAMES = 6
@@ -270,5 +271,5 @@ def _load_checkpoint(items: list[_Item], source: InitSource) -> int:
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_part(tensor)
     return local.numel() * local.element_size()

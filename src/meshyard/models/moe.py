@@ -21,6 +21,12 @@ of their share of the token assignments times their mean router probability: 1 w
 load is even), the router z-loss of ST-MoE (Zoph et al. 2022; the mean squared
 log-sum-exp of the router logits), tokens routed to each expert and tokens dropped by
 the capacity limit. ``routing_losses`` gathers them for the training loss.
+
+The capacity limit (``MoEShape.capacity_factor``) applies in training only, where it
+bounds an expert's work per micro-batch: it keeps every token's first choice before any
+second choice, each in token order, and drops the rest. In evaluation (``model.eval()``)
+and decoding the layer is dropless, since a limit over the whole batch would make a
+served row's output depend on which other requests share its batch.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshyard.models.local_part import local_part
+
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -41,7 +49,9 @@ class MoEShape:
     top_k: int = 2
     shared_experts: int = 0
     capacity_factor: float = 0.0
-    """Tokens an expert takes per forward, as a multiple of an even share; 0: dropless."""
+    """Tokens an expert takes per training forward, as a multiple of an even share; 0:
+    dropless. Evaluation and inference are always dropless, so a row's output never
+    depends on the other rows of its batch."""
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 
@@ -56,13 +66,6 @@ class Routing:
     """Assignments each expert received (before the capacity limit), int64 [experts]."""
     dropped: torch.Tensor
     """Assignments the capacity limit turned away (int64 scalar; 0 when dropless)."""
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a weight: expert parallelism makes the expert weights DTensors
-    sharded over the experts, and each rank computes with its own experts only."""
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if to_local is not None else weight
 
 
 class GroupedExperts(nn.Module):
@@ -80,7 +83,9 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``tokens`` [assignments, d_model] grouped by expert, ``counts[e]`` of them for
         expert e (of those this rank holds); returns each token's expert output."""
-        w_in, w_out = _local(self.w_in), _local(self.w_out)
+        # Under expert parallelism the weights are DTensors sharded over the experts, and
+        # each rank computes with its own experts only.
+        w_in, w_out = local_part(self.w_in), local_part(self.w_out)
         outputs = []
         for expert, group in enumerate(torch.split(tokens, counts.tolist())):
             hidden = F.gelu(group @ w_in[expert], approximate="tanh")
@@ -109,19 +114,25 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For tokens ``x`` [tokens, d_model]: each token's chosen experts and their weights
-        ([tokens, top_k] each), the balance loss and the z-loss. Logits in fp32: the
-        softmax and the log-sum-exp decide the routing and must not round differently
-        between layouts or precisions."""
+        ([tokens, top_k] each), the mean router probability of each expert ([experts], for
+        the balance loss) and the z-loss. Logits in fp32: the softmax and the log-sum-exp
+        decide the routing and must not round differently between layouts or precisions."""
         logits = self.gate(x).float()
         probs = logits.softmax(dim=-1)
         weights, chosen = probs.topk(top_k, dim=-1)
         if top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        experts = logits.shape[-1]
-        share = F.one_hot(chosen, experts).sum(dim=(0, 1)).float() / chosen.numel()
-        balance = experts * (share * probs.mean(dim=0)).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
-        return chosen, weights.to(x.dtype), balance, z_loss
+        return chosen, weights.to(x.dtype), probs.mean(dim=0), z_loss
+
+
+def balance_loss(counts: torch.Tensor, mean_probs: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss from the assignments each expert received
+    (``counts``) and its mean router probability: experts x sum over experts of their share
+    of the assignments times that probability; 1 when both are even. Its gradient reaches
+    the router through the probabilities only (the counts come from a top-k)."""
+    share = counts.float() / counts.sum().clamp(min=1)
+    return counts.numel() * (share * mean_probs).sum()
 
 
 class MoEFeedForward(nn.Module):
@@ -144,26 +155,31 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        chosen, weights, balance, z_loss = self.router(flat, self.moe.top_k)
+        tokens, top_k = flat.shape[0], self.moe.top_k
+        chosen, weights, mean_probs, z_loss = self.router(flat, top_k)
+        # Assignment i = token * top_k + choice. Grouped by expert (a stable sort), and
+        # within an expert first choices first, each choice in token order: the order in
+        # which the capacity limit keeps them, so that a token's second choice never takes
+        # a place a later token's first choice needs (GShard's and Switch's priority).
+        choice_major = torch.arange(tokens * top_k, device=x.device).view(tokens, top_k).t().reshape(-1)
         flat_chosen = chosen.reshape(-1)
+        order = choice_major[torch.argsort(flat_chosen[choice_major], stable=True)]
         counts = torch.bincount(flat_chosen, minlength=self.moe.experts)
-        # Assignments grouped by expert; within an expert in token order (a stable sort),
-        # which is also the order the capacity limit keeps them in.
-        order = torch.argsort(flat_chosen, stable=True)
         kept_counts, dropped = counts, counts.new_zeros(())
-        if self.moe.capacity_factor > 0:
-            limit = self.capacity(flat.shape[0])
+        if self.moe.capacity_factor > 0 and self.training:
+            limit = self.capacity(tokens)
             starts = torch.cumsum(counts, 0) - counts
             place = torch.arange(order.numel(), device=x.device) - starts[flat_chosen[order]]
             order = order[place < limit]
             kept_counts = counts.clamp(max=limit)
             dropped = counts.sum() - kept_counts.sum()
-        token_of = order // self.moe.top_k
+        token_of = order // top_k
         expert_out = self.experts(flat[token_of], kept_counts)
         expert_out = expert_out * weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros_like(flat).index_add(0, token_of, expert_out)
         if self.shared is not None:
             combined = combined + self.shared(flat)
+        balance = balance_loss(counts, mean_probs)
         self.last_routing = Routing(balance, z_loss, counts.detach(), dropped.detach())
         return combined.reshape(x.shape)
 
@@ -171,6 +187,12 @@ class MoEFeedForward(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     """The MoE feed-forwards of ``model``, in order ([] for a dense model)."""
     return [module for module in model.modules() if isinstance(module, MoEFeedForward)]
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    """The batched routed experts of every MoE layer of ``model``, in order (what expert
+    parallelism splits and FSDP shards over the ranks holding the same experts)."""
+    return [layer.experts for layer in moe_layers(model)]
 
 
 def routing_losses(layers: list[MoEFeedForward]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

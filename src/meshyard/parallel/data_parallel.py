@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from meshyard.parallel.expert_parallel import expert_modules
+from meshyard.models.moe import expert_modules
 from meshyard.parallel.units import describe_units, find_blocks
 
 

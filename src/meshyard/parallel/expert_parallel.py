@@ -33,12 +33,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
-from meshyard.models.moe import GroupedExperts
-
-
-def expert_modules(model: nn.Module) -> list[GroupedExperts]:
-    """The batched experts of every MoE layer of ``model``."""
-    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
+from meshyard.models.moe import expert_modules
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:

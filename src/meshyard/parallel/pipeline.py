@@ -44,6 +44,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase, build_stage
 from torch.distributed.tensor import DTensor
 
 from meshyard.config.sections import ParallelConfig
+from meshyard.models.local_part import local_part
 from meshyard.parallel.data_parallel import unwrap
 from meshyard.parallel.hf_plans import hf_layer_list
 from meshyard.parallel.pipeline_trace import PREFIX, PipelineTraceError, trace_stages
@@ -383,9 +384,5 @@ def sync_tied_grads(model: PipelinedModel, group: dist.ProcessGroup | None) -> N
             # An embedding's backward may leave its vocabulary-split weight's gradient
             # replicated; both copies must hold the same shard before they are summed.
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
-        grad = _local(param.grad)
+        grad = local_part(param.grad)
         dist.all_reduce(grad, group=group)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -16,16 +16,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from meshyard.models.local_part import local_part
 
 
 def _to_host(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return _local(value).detach().to("cpu", copy=True)
+        return local_part(value).detach().to("cpu", copy=True)
     return copy.deepcopy(value)
 
 
@@ -78,17 +75,17 @@ def restore_snapshot(snapshot: Snapshot, model: nn.Module, optimizer: torch.opti
     """Put a snapshot's values back into the live tensors (the step counters are the
     caller's: ``snapshot.step`` and ``snapshot.tokens_seen``)."""
     for live, saved in zip(_live_tensors(model), snapshot.tensors):
-        _local(live).copy_(saved)
+        local_part(live).copy_(saved)
     states = _optimizer_states(optimizer)
     for p, saved in zip(_optimizer_parameters(optimizer), snapshot.optimizer_state):
         live = states.get(p, {})
         if set(live) != set(saved):  # the state was created after the snapshot (or differs): rebuild it
-            states[p] = {key: value.to(_local(p).device) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            states[p] = {key: value.to(local_part(p).device) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
                          for key, value in saved.items()}
             continue
         for key, value in saved.items():
             if isinstance(value, torch.Tensor):
-                _local(live[key]).copy_(value)
+                local_part(live[key]).copy_(value)
             else:
                 live[key] = copy.deepcopy(value)
     optimizer.zero_grad(set_to_none=True)

@@ -14,11 +14,11 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
 from meshyard.fault.failure import first_line
 from meshyard.metrics.timing import NullStepTimer, StepTimer
+from meshyard.models.local_part import local_part
 from meshyard.models.outputs import logits_of
 from meshyard.parallel.compile import Compilation, compile_errors, compiled_graphs
 from meshyard.parallel.context_parallel import SequenceSplit
@@ -32,11 +32,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class CompileFailed(RuntimeError):
     """``train.compile = true`` and the model does not compile."""
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss parallelism is a replicated DTensor; its plain value."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class StepRunner(Protocol):
@@ -161,13 +156,13 @@ class MicroBatchStep:
                 training_loss = self.expert_load.training_loss(loss)
             with self.timer.backward(), self.loss_context():
                 self.precision.scaler.scale(training_loss / accum).backward()
-            loss_sum += _local(loss.detach())
+            loss_sum += local_part(loss.detach())  # a replicated DTensor under loss parallelism
         return loss_sum / accum
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Eager: evaluation runs without gradients, which a compiled region would compile anew.
         with self.precision.autocast(), self.loss_context():
-            return _local(self._eager_forward_loss(inputs, targets))
+            return local_part(self._eager_forward_loss(inputs, targets))
 
     def step_figures(self) -> RunnerFigures:
         # Forward and backward were timed as they ran: no split of their own.
