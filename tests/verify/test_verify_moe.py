@@ -1,8 +1,11 @@
 """``meshyard verify`` on mixture-of-experts layouts: expert parallelism trains the model one
 process trains, with ep = 4 (each rank holds one expert; dropping tokens over capacity,
 with a shared expert), ep = 2 x FSDP (experts split over pairs of ranks and sharded
-over the pairs) and ep = 2 x tp = 2 (attention and the shared expert split over tp pairs,
-the routed experts over the two data-parallel ranks of each tp index) on four ranks.
+over the pairs), ep = 2 x tp = 2 (attention and the shared expert split over tp pairs,
+the routed experts over the two data-parallel ranks of each tp index), ep = 2 under HSDP
+(two replicas of an ep pair: each expert's shard dimension has one rank, its gradient goes
+through the replicas' all-reduce) and ep = 2 accumulating two micro-batches per rank
+(expert gradients kept unsynchronised over the first, under a capacity limit) on four ranks.
 
 Each case is what the command runs: the one-process run (here in the test process) and the
 layout run (in the session's shared spawn of its world size), compared by the command's
@@ -34,6 +37,8 @@ CASES = {  # name: (ranks, overrides)
                                 "--model.moe_shared_experts=1"]),
     "ep2-fsdp4": (4, ["--parallel.ep=2"]),
     "ep2-tp2": (4, ["--parallel.ep=2", "--parallel.tp=2", "--model.moe_shared_experts=1"]),
+    "ep2-hsdp2": (4, ["--parallel.ep=2", "--parallel.dp_replicate=2"]),
+    "ep2-fsdp4-accumulate": (4, ["--parallel.ep=2", "--train.micro_batch=1", "--model.moe_capacity_factor=1.0"]),
 }
 
 
