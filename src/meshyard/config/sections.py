@@ -58,8 +58,9 @@ class ModelConfig:
     moe_shared_experts: int = option(
         0, "Experts every token passes through besides its routed ones (one feed-forward this many times wider).")
     moe_capacity_factor: float = option(
-        0.0, "Tokens an expert takes per micro-batch, as a multiple of an even share (tokens x top_k / experts); "
-        "the tokens beyond it skip the expert (dropped, counted in the records). 0 is dropless: no limit.")
+        0.0, "Tokens an expert takes per training micro-batch, as a multiple of an even share (tokens x top_k / "
+        "experts), first choices before second ones; the tokens beyond it skip the expert (dropped, counted in "
+        "the records). 0 is dropless: no limit. Evaluation and inference are always dropless.")
     moe_aux_loss_weight: float = option(
         0.01, "Weight of the load-balancing loss (Switch Transformer's: experts x sum of each expert's share of "
         "tokens times its mean router probability; 1 when balanced) added to the training loss.")
