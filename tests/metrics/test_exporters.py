@@ -26,8 +26,9 @@ def test_exported_scalars_are_the_schemas_and_keep_their_order():
     assert SCALARS == ("loss", "eval_loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s",
                        "samples_per_s", "mfu", "data_s", "forward_s", "backward_s", "comm_s", "optimizer_s",
                        "rss_bytes", "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "gpu_utilization_pct",
-                       "comm_bytes",
-                       "compression_ratio", "cost_per_step_usd", "cost_so_far_usd", "cost_projected_usd")
+                       "comm_bytes", "compression_ratio",
+                       "moe_aux_loss", "moe_z_loss", "moe_dropped_tokens", "moe_imbalance",
+                       "cost_per_step_usd", "cost_so_far_usd", "cost_projected_usd")
 
 
 RANK1_GAUGE = 'meshyard_rank_busy_s{rank="1"}'
