@@ -23,19 +23,25 @@ rank's share is the shards its own samples of the run fall in: what it must down
 the least (a cold cache, smaller than the share, downloads some of them again); the
 script checks each rank downloaded no shard outside its share. --bandwidth-mbps limits
 each rank's downloads to that many MB/s (a shared link per rank); the loopback's own
-bandwidth, measured with one stream, is printed beside it.
+bandwidth, measured with one stream, is printed beside it. moto's server is Python and
+costs CPU per request; on a small machine it competes with the ranks for cores, which a
+cluster's object store does not: --server-cores N runs it in a process of its own on N
+cores and the ranks of every run (local ones too) on the others.
 
     python benchmarks/data.py [--nproc 2] [--model gpt-mini] [--steps 40] [--warmup 10] [--rounds 3]
                               [--corpus-mb 16] [--shard-tokens 16384] [--cold-cache-shards 64]
-                              [--bandwidth-mbps 0] [--out data.json]
+                              [--bandwidth-mbps 0] [--server-cores 0] [--out data.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -61,17 +67,58 @@ MODES = ("local", "warm", "cold")
 SEQ_LEN, GLOBAL_BATCH = 128, 16
 
 
-def start_s3() -> tuple[Any, dict[str, Any]]:
-    """A moto S3 server on the loopback address holding BUCKET, and the fsspec options to reach it."""
-    from moto.server import ThreadedMotoServer  # the 'test' extra
+def start_s3(server_cores: set[int] | None) -> tuple[Any, dict[str, Any]]:
+    """A moto S3 server on the loopback address holding BUCKET, and the fsspec options to reach
+    it: in this process, or with ``server_cores`` in a process of its own kept on those cores."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    if server_cores is None:
+        from moto.server import ThreadedMotoServer  # the 'test' extra
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+    else:
+        server = ServerProcess(subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: os.sched_setaffinity(0, server_cores)))
+        wait_for_port(port)
     options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
     ShardStore(f"s3://{BUCKET}", options).fs.mkdir(BUCKET)
     return server, options
+
+
+class ServerProcess:
+    """A server in a process of its own, stopped like moto's threaded one."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0) -> None:
+    stop_at = time.monotonic() + timeout_s
+    while time.monotonic() < stop_at:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the S3 server did not listen on port {port} within {timeout_s:.0f} s")
+
+
+def split_cores(server_cores: int) -> tuple[set[int] | None, set[int] | None]:
+    """(the server's cores, the ranks' cores): the first ``server_cores`` of this process's
+    cores for the server, the rest for the ranks; (None, None) for 0: all share all."""
+    if server_cores <= 0:
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if server_cores >= len(cores):
+        raise SystemExit(f"--server-cores {server_cores} leaves none of this machine's {len(cores)} cores to the "
+                         "ranks: give the server fewer")
+    return set(cores[:server_cores]), set(cores[server_cores:])
 
 
 def corpus_files(megabytes: float) -> list[str]:
@@ -215,7 +262,9 @@ def print_summary(args: argparse.Namespace, summary: dict[str, Any], loopback: f
           f"{args.steps - args.warmup} measured steps; corpus {summary['corpus_bytes'] / 1e6:.1f} MB in shards of "
           f"{args.shard_tokens * 1e-6:.3f} MB; cold cache {args.cold_cache_shards} shards per rank")
     limit = f", limited to {args.bandwidth_mbps:g} MB/s per rank" if args.bandwidth_mbps else " (no limit injected)"
-    print(f"S3 server on loopback: {loopback:.1f} MB/s with one stream{limit}")
+    where = (f"in its own process on {args.server_cores} core(s), the ranks on the others" if args.server_cores
+             else "in this process, sharing the cores with the ranks")
+    print(f"S3 server on loopback ({where}): {loopback:.1f} MB/s with one stream{limit}")
     for mode, label in (("local", "local files"), ("warm", "shards, warm cache"), ("cold", "shards, cold cache")):
         figures = summary[mode]
         ratio = "" if mode == "local" else f"  ratio to local {figures['ratio_to_local']:.3f}"
@@ -245,9 +294,16 @@ def main() -> None:
     parser.add_argument("--shard-tokens", type=int, default=1 << 14)
     parser.add_argument("--cold-cache-shards", type=int, default=64)
     parser.add_argument("--bandwidth-mbps", type=float, default=0, help="limit each rank's downloads (MB/s); 0: none")
+    parser.add_argument("--server-cores", type=int, default=0,
+                        help="run the S3 server in its own process on this many cores and every run's ranks on the "
+                        "others (as on a cluster, where the object store is not on the training node); 0: the "
+                        "server shares all cores with the ranks")
     parser.add_argument("--out", type=Path, help="write the figures to this JSON file")
     args = parser.parse_args()
-    server, options = start_s3()
+    server_cores, rank_cores = split_cores(args.server_cores)
+    server, options = start_s3(server_cores)
+    if rank_cores is not None:
+        os.sched_setaffinity(0, rank_cores)  # the ranks, spawned from here, inherit it
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
