@@ -205,7 +205,7 @@ def test_a_stream_gives_each_steps_tokens_and_leaving_it_frees_the_slot(engine, 
     async def scenario() -> tuple[list[list[int]], list[int], int]:
         steps = Steps()
         batcher = ContinuousBatcher(engine, max_batch_size=1, max_queue=4, executor=executor, on_step=steps)
-        parts = [tokens async for tokens in batcher.stream(short, later())]
+        parts = [step async for ready in batcher.stream(short, later()) for step in ready]
         async with contextlib.aclosing(batcher.stream(long, later())) as leaving:
             await anext(leaving)  # the reader stops after the first step: a stop string met, a client gone
         before = len(steps.sizes)

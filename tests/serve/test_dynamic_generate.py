@@ -64,7 +64,7 @@ async def collect(batcher: DynamicBatcher, engine: EagerEngine, tokens: list[int
                   ) -> list[list[int]]:
     steps = streamed(lambda feed: batcher.submit(DynamicGenerateItem(engine, tokens, sampling, feed), later()))
     async with aclosing(steps):
-        return [chunk async for chunk in steps]
+        return [step async for ready in steps for step in ready]
 
 
 def test_a_streamed_request_gets_a_token_per_step_equal_to_its_whole_answer(engine, executor):
@@ -136,8 +136,8 @@ def test_a_deadline_that_passes_mid_stream_ends_it_with_the_refusal(engine, exec
             later(0.5)))
         try:
             async with aclosing(steps):
-                async for chunk in steps:
-                    got.append(chunk)
+                async for ready in steps:
+                    got.extend(ready)
         finally:
             await batcher.close()
         return got
