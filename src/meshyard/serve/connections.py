@@ -60,7 +60,7 @@ class GuardedProtocol(H11Protocol):
     refusal: Asgi | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(TurnWriter(transport, self.loop))  # type: ignore[arg-type]
         self._deadline: asyncio.TimerHandle | None = None
         if len(self.connections) > self.max_connections and self.refusal is not None:
             self.app = self.refusal
@@ -114,6 +114,42 @@ class GuardedProtocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
             self.transport.write(request_timeout_answer(self.read_timeout_s))
         self.transport.close()
+
+
+class TurnWriter:
+    """A connection's transport whose writes of one event-loop turn leave in one send: a
+    response's head and first body part, a stream's last event, ``[DONE]`` and its end.
+    Every send is a system call (measured about 60 us on loopback here), so a streamed
+    completion that wrote each piece at once cost several of them more than one answered
+    whole. Nothing waits longer than the rest of the turn."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(bytes(data))
+
+    def flush(self) -> None:
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(len(data) for data in self._pending)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def guarded_protocol(read_timeout_s: float, max_connections: int, refusal: Asgi) -> type[GuardedProtocol]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Awaitable
 
 import torch
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
@@ -40,6 +40,7 @@ from meshyard.serve.app import request_payload
 from meshyard.serve.chat import ChatShape, parse_chat, template_for
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
 from meshyard.serve.dynamic_generate import DynamicGenerateItem, streamed
+from meshyard.serve.event_stream import EventStream
 from meshyard.serve.requests import bad, shown
 from meshyard.serve.routing import VERSION_HEADER
 from meshyard.serve.types import BadRequest, DeadlineExceeded, NotFound, QueueFull, ServeError
@@ -150,8 +151,7 @@ async def _answer(server: Server, request: Request, source: ModelSource, call: C
         await events.aclose()
         raise
     chunk_head = {**head, "object": shape.chunk_object}
-    return StreamingResponse(_sse(chunk_head, call, shape, first, events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return EventStream(_sse(chunk_head, call, shape, first, events), headers={"Cache-Control": "no-cache"})
 
 
 async def _completion(head: dict[str, Any], call: CompletionCall, shape: Shape,
