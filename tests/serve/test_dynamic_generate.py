@@ -21,7 +21,7 @@ from meshyard.inference.engine import EagerEngine
 from meshyard.inference.sampling import Sampling
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.serve.batching import DynamicBatcher
-from meshyard.serve.dynamic_generate import DynamicGenerateItem, run_generate, streamed
+from meshyard.serve.dynamic_generate import DynamicGenerateItem, StepFeed, run_generate, streamed
 from meshyard.serve.types import DeadlineExceeded
 
 VOCAB, CONTEXT = 64, 64
@@ -147,3 +147,16 @@ def test_a_deadline_that_passes_mid_stream_ends_it_with_the_refusal(engine, exec
             run(scenario())
     finally:
         handle.remove()
+
+
+def test_steps_that_are_ready_together_are_read_together_and_in_order():
+    async def submit(feed: StepFeed) -> list[int]:
+        feed.steps.put_nowait([7])
+        feed.steps.put_nowait([8])  # both before the reader runs: a loop slower than decoding
+        return [7, 8, 9]  # an engine that handed over no step for the last token
+
+    async def scenario() -> list[list[list[int]]]:
+        async with aclosing(streamed(submit)) as steps:
+            return [ready async for ready in steps]
+
+    assert run(scenario()) == [[[7], [8]], [[9]]]
