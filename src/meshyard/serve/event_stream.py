@@ -1,9 +1,9 @@
 """A stream of server-sent events as a lean ASGI response.
 
 Starlette's ``StreamingResponse`` watches for the client leaving through an anyio task
-group: on every streamed answer that costs more than the whole stream's writes (a task
-group, its cancel scope and a task named after the repr of its callable; measured about
-0.35 ms against 0.01 ms for the writes of a 9-event stream). ``EventStream`` writes each
+group, whose set-up and cancellation (a cancel scope that formats the current task's repr
+into its reason) cost about 35 times the writes of a 9-event stream through the same
+``send`` (measured in one process here), on every streamed answer. ``EventStream`` writes each
 event as ``StreamingResponse`` does and watches with one plain asyncio task: when the
 client disconnects, the task cancels the writing, which closes the events' iterator (a
 completion's row is then freed at its batch's next step) and ends the response quietly.
