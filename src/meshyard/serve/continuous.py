@@ -12,8 +12,9 @@ background task repeats:
 4. finish the rows that have their ``max_new_tokens``: their callers get the tokens at once
    and their slots go to the next waiting requests.
 
-``stream`` gives a request's tokens as each step makes them; a caller that stops reading
-(a stop string met, a client gone) gives up its slot before the next step.
+``stream`` gives a request's tokens as each step makes them (the steps made since its reader
+last looked, each a list); a caller that stops reading (a stop string met, a client gone)
+gives up its slot before the next step.
 
 Each step runs in the server's inference executor, never on the event loop. A row's tokens
 equal what ``generate`` gives for it alone: greedy rows exactly, sampled rows too since each

@@ -5,8 +5,9 @@ thread (``run_generate``). A streamed request carries a ``StepFeed`` in its
 ``DynamicGenerateItem``; the batch's ``generate`` call then gets a ``StepSender`` as its
 ``on_step`` callback (see ``meshyard.inference.decoding``), which after every step hands
 the new tokens of the streamed rows to their feeds, on the event loop. ``streamed`` reads a
-feed, so a reader sees a list of tokens per step, then the end (or the refusal or failure
-that ended it, from the batcher's answer).
+feed, so a reader sees the steps decoded since it last looked (a list of tokens per step:
+several when the loop was slower than decoding, so they can go out in one write), then the
+end (or the refusal or failure that ended it, from the batcher's answer).
 
 A reader that stops (a stop string met, a client gone) marks its feed left: the sender
 stops its row at the next step, so the rest of the batch runs without it, and the
