@@ -205,7 +205,7 @@ def test_a_stream_gives_each_steps_tokens_and_leaving_it_frees_the_slot(engine, 
     async def scenario() -> tuple[list[list[int]], list[int], int]:
         steps = Steps()
         batcher = ContinuousBatcher(engine, max_batch_size=1, max_queue=4, executor=executor, on_step=steps)
-        parts = [tokens async for tokens in batcher.stream(short, later())]
+        parts = [step async for ready in batcher.stream(short, later()) for step in ready]
         async with contextlib.aclosing(batcher.stream(long, later())) as leaving:
             await anext(leaving)  # the reader stops after the first step: a stop string met, a client gone
         before = len(steps.sizes)
@@ -244,3 +244,32 @@ def test_a_model_without_a_kv_cache_is_refused(executor):
     with pytest.raises(TypeError, match="does not implement the KV-cache protocol"):
         ContinuousBatcher(EagerEngine(MLP(VOCAB, d_model=8), VOCAB, CONTEXT), max_batch_size=2, max_queue=2,
                           executor=executor)
+
+
+def test_a_stream_whose_deadline_passes_mid_step_ends_with_the_refusal_at_once(engine, executor):
+    """The stream's own timer ends it while a slow step still runs (the batcher only checks
+    deadlines between steps); the steps before the deadline were read."""
+    forwards = []
+
+    def slow_second_step(module, args, output) -> None:
+        forwards.append(1)
+        if len(forwards) == 3:  # the prefill and first decoding forward make the first step
+            time.sleep(1.0)
+
+    async def scenario() -> tuple[list[list[int]], float]:
+        batcher = ContinuousBatcher(engine, max_batch_size=1, max_queue=4, executor=executor)
+        got: list[list[int]] = []
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="tokens ready"):
+            async for ready in batcher.stream((prompt(5, 60), Sampling(max_new_tokens=40)), started + 0.3):
+                got.extend(ready)
+        ended = time.monotonic() - started
+        await batcher.close()
+        return got, ended
+
+    handle = engine.module.register_forward_hook(slow_second_step)
+    try:
+        got, ended = run(scenario())
+    finally:
+        handle.remove()
+    assert [len(step) for step in got] == [2] and ended < 0.9  # the prefilling step only

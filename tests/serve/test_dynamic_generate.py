@@ -21,7 +21,7 @@ from meshyard.inference.engine import EagerEngine
 from meshyard.inference.sampling import Sampling
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.serve.batching import DynamicBatcher
-from meshyard.serve.dynamic_generate import DynamicGenerateItem, run_generate, streamed
+from meshyard.serve.dynamic_generate import DynamicGenerateItem, StepFeed, run_generate, streamed
 from meshyard.serve.types import DeadlineExceeded
 
 VOCAB, CONTEXT = 64, 64
@@ -64,7 +64,7 @@ async def collect(batcher: DynamicBatcher, engine: EagerEngine, tokens: list[int
                   ) -> list[list[int]]:
     steps = streamed(lambda feed: batcher.submit(DynamicGenerateItem(engine, tokens, sampling, feed), later()))
     async with aclosing(steps):
-        return [chunk async for chunk in steps]
+        return [step async for ready in steps for step in ready]
 
 
 def test_a_streamed_request_gets_a_token_per_step_equal_to_its_whole_answer(engine, executor):
@@ -136,8 +136,8 @@ def test_a_deadline_that_passes_mid_stream_ends_it_with_the_refusal(engine, exec
             later(0.5)))
         try:
             async with aclosing(steps):
-                async for chunk in steps:
-                    got.append(chunk)
+                async for ready in steps:
+                    got.extend(ready)
         finally:
             await batcher.close()
         return got
@@ -147,3 +147,16 @@ def test_a_deadline_that_passes_mid_stream_ends_it_with_the_refusal(engine, exec
             run(scenario())
     finally:
         handle.remove()
+
+
+def test_steps_that_are_ready_together_are_read_together_and_in_order():
+    async def submit(feed: StepFeed) -> list[int]:
+        feed.steps.put_nowait([7])
+        feed.steps.put_nowait([8])  # both before the reader runs: a loop slower than decoding
+        return [7, 8, 9]  # an engine that handed over no step for the last token
+
+    async def scenario() -> list[list[list[int]]]:
+        async with aclosing(streamed(submit)) as steps:
+            return [ready async for ready in steps]
+
+    assert run(scenario()) == [[[7], [8]], [[9]]]

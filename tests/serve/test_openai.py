@@ -7,10 +7,13 @@ step. Completions are short and greedy unless a test says otherwise.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
+
+from meshyard.serve.openai_api import ChunkTemplate
 
 from tests.serve.servers import ServerProcess, running_servers
 
@@ -98,6 +101,14 @@ def test_echo_n_and_prompts_as_token_ids(continuous):
     logprobs = answer.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
     assert all(value <= 0 for value in logprobs.token_logprobs) and all(len(t) <= 2 for t in logprobs.top_logprobs)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_chunk_from_its_template_is_the_chunk_serialised_whole(include_usage):
+    head = {"id": "cmpl-1f\"x", "object": "text_completion", "created": 1700000000, "model": "tiny \u00e9"}
+    choice = {"text": "a \"quoted\"\nline \u00e9", "index": 3, "logprobs": None, "finish_reason": None}
+    whole = {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+    assert ChunkTemplate(head, include_usage).of(choice) == f"data: {json.dumps(whole)}\n\n"
 
 
 def test_errors_come_as_openai_error_objects_with_their_status(continuous):

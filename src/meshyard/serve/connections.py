@@ -1,10 +1,11 @@
-"""The server's HTTP connections: a deadline on what a client owes and a cap on how many stay open.
+"""The server's HTTP connections: a deadline on what a client owes, a cap on how many stay open,
+and one send per event-loop turn.
 
 uvicorn closes a kept-alive connection that idles, but nothing bounds how long a client
 may take to send a request's line and headers: a client that sends half a header and
 waits holds its connection (a socket, a file descriptor, memory) for ever, and a few
 thousand such clients ("slowloris") exhaust the server without sending one whole
-request. ``GuardedProtocol`` is uvicorn's h11 protocol with two additions:
+request. ``GuardedProtocol`` is uvicorn's h11 protocol with three additions:
 
 - **read deadline**: while the protocol itself waits on the client (a new connection's
   first request, a request whose head has begun to arrive, or the rest of a body the
@@ -17,6 +18,9 @@ request. ``GuardedProtocol`` is uvicorn's h11 protocol with two additions:
   place of the application: its first request is answered by it (503) and the connection
   closed. Answering after the request's head has arrived, rather than at once, lets the
   client read the answer instead of a reset.
+- **one send per turn**: what the server writes to a connection during one event-loop turn
+  leaves in one send (``TurnWriter``): a response's head with its body, or with a stream's
+  first event; a stream's last event with ``[DONE]`` and the end of the body.
 
 h11 is uvicorn's pure-Python parser; the deadline reads its state (what the client has
 sent) and is kept by the same event loop as everything else, one timer per connection.
@@ -60,7 +64,7 @@ class GuardedProtocol(H11Protocol):
     refusal: Asgi | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(TurnWriter(transport, self.loop))  # type: ignore[arg-type]
         self._deadline: asyncio.TimerHandle | None = None
         if len(self.connections) > self.max_connections and self.refusal is not None:
             self.app = self.refusal
@@ -114,6 +118,42 @@ class GuardedProtocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
             self.transport.write(request_timeout_answer(self.read_timeout_s))
         self.transport.close()
+
+
+class TurnWriter:
+    """A connection's transport whose writes of one event-loop turn leave in one send, at the
+    start of the next turn (nothing waits longer than the rest of its own turn). Each send is
+    a system call that also wakes the client (50-80 us per send on loopback here, under
+    load), and uvicorn writes a response's head, each body part and the end of a chunked body
+    separately: a streamed completion of 8 tokens took 11 sends, one answered whole 2."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(bytes(data))
+
+    def flush(self) -> None:
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(len(data) for data in self._pending)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def guarded_protocol(read_timeout_s: float, max_connections: int, refusal: Asgi) -> type[GuardedProtocol]:

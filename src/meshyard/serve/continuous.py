@@ -12,8 +12,9 @@ background task repeats:
 4. finish the rows that have their ``max_new_tokens``: their callers get the tokens at once
    and their slots go to the next waiting requests.
 
-``stream`` gives a request's tokens as each step makes them; a caller that stops reading
-(a stop string met, a client gone) gives up its slot before the next step.
+``stream`` gives a request's tokens as each step makes them (the steps made since its reader
+last looked, each a list); a caller that stops reading (a stop string met, a client gone)
+gives up its slot before the next step.
 
 Each step runs in the server's inference executor, never on the event loop. A row's tokens
 equal what ``generate`` gives for it alone: greedy rows exactly, sampled rows too since each
@@ -135,27 +136,34 @@ class ContinuousBatcher:
             raise
 
     async def stream(self, item: GenerateItem, deadline: float,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[list[int]]:
-        """The new tokens of ``item`` as the steps make them (a list per step: two tokens from
-        the step that prefills it, one from each step after), refused and failed as ``submit``. Closing the iterator early (with
-        ``contextlib.aclosing``) abandons the request: its slot is free at the next step."""
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[list[list[int]]]:
+        """The new tokens of ``item`` as the steps make them: at each wake, the steps made since
+        the last (a list of token lists, one per step: two tokens from the step that prefills it,
+        one from each step after), refused and failed as ``submit``. Closing the iterator early
+        (with ``contextlib.aclosing``) abandons the request: its slot is free at the next step."""
         request = self._enqueue(item, deadline, is_disconnected, streamed=True)
         if request.done:  # nothing to generate: never queued
             return
+        updates = request.updates
+        # One timer for the whole stream (not one per step): past the deadline the request is
+        # abandoned and its reader woken.
+        expiry = asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0.0), self._expire, request)
         try:
             while True:
-                try:
-                    tokens = await asyncio.wait_for(request.updates.get(), max(deadline - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
-                    self._abandon(request, self._expired(request))
+                steps = [await updates.get()]
+                while not updates.empty():
+                    steps.append(updates.get_nowait())
+                if None in steps:  # answered, failed, expired or shut down
+                    steps = steps[: steps.index(None)]
+                    if steps:
+                        yield steps
                     break
-                if tokens is None:  # answered, failed or shut down
-                    break
-                yield tokens
+                yield steps
             error = request.future.exception()
             if error is not None:
                 raise error
         finally:
+            expiry.cancel()
             self._abandon(request, ClientDisconnected("the caller stopped reading its stream"))
 
     async def close(self) -> None:
@@ -209,6 +217,11 @@ class ContinuousBatcher:
         return DeadlineExceeded(
             f"the request was not answered before its deadline ({len(request.tokens)} of "
             f"{request.sampling.max_new_tokens} tokens ready): ask for fewer tokens or a longer timeout_ms")
+
+    def _expire(self, request: _Request) -> None:
+        """A stream's deadline passed: the request is abandoned and its reader gets its end."""
+        self._abandon(request, self._expired(request))
+        request.updates.put_nowait(None)
 
     def _abandon(self, request: _Request, error: ServeError) -> None:
         """The caller stopped waiting: the loop drops the request before its next step."""

@@ -5,8 +5,9 @@ thread (``run_generate``). A streamed request carries a ``StepFeed`` in its
 ``DynamicGenerateItem``; the batch's ``generate`` call then gets a ``StepSender`` as its
 ``on_step`` callback (see ``meshyard.inference.decoding``), which after every step hands
 the new tokens of the streamed rows to their feeds, on the event loop. ``streamed`` reads a
-feed, so a reader sees a list of tokens per step, then the end (or the refusal or failure
-that ended it, from the batcher's answer).
+feed, so a reader sees the steps decoded since it last looked (a list of tokens per step:
+several when the loop was slower than decoding, so they can go out in one write), then the
+end (or the refusal or failure that ended it, from the batcher's answer).
 
 A reader that stops (a stop string met, a client gone) marks its feed left: the sender
 stops its row at the next step, so the rest of the batch runs without it, and the
@@ -90,13 +91,14 @@ def _deliver(parts: list[tuple[StepFeed, int]], taken: threading.Event) -> None:
     asyncio.get_running_loop().call_soon(taken.set)
 
 
-async def streamed(submit: Callable[[StepFeed], Awaitable[list[int]]]) -> AsyncIterator[list[int]]:
-    """The new tokens of one request as its batch decodes them (a list per step).
+async def streamed(submit: Callable[[StepFeed], Awaitable[list[int]]]) -> AsyncIterator[list[list[int]]]:
+    """The new tokens of one request as its batch decodes them: at each wake, the steps
+    decoded since the last (a list of token lists, one per step).
 
     ``submit(feed)`` puts the request, carrying ``feed``, into the dynamic batcher and
     returns its answer (all its tokens); its refusals and failures (full queue, deadline,
     disconnected, a failed batch) are raised here. Tokens of the answer that no step
-    delivered (an engine that ignores ``on_step``) come as one last list. Closing the
+    delivered (an engine that ignores ``on_step``) come as one last step. Closing the
     iterator early (``contextlib.aclosing``) stops the request's row at its batch's next
     step, or takes it out of the queue if its batch has not started."""
     feed = StepFeed(asyncio.get_running_loop())
@@ -107,12 +109,20 @@ async def streamed(submit: Callable[[StepFeed], Awaitable[list[int]]]) -> AsyncI
     answer.add_done_callback(_retrieve)
     sent = 0
     try:
-        while (tokens := await feed.steps.get()) is not None:
-            sent += len(tokens)
-            yield tokens
+        while True:
+            steps = [await feed.steps.get()]
+            while not feed.steps.empty():
+                steps.append(feed.steps.get_nowait())
+            ended = None in steps
+            steps = steps[: steps.index(None)] if ended else steps
+            if steps:
+                sent += sum(len(tokens) for tokens in steps)
+                yield steps
+            if ended:
+                break
         rest = answer.result()[sent:]  # raises what ended the request
         if rest:
-            yield rest
+            yield [rest]
     finally:
         feed.left = True
         answer.cancel()  # before its batch ran: it leaves the queue; after: its answer is dropped

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Awaitable
 
 import torch
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
@@ -40,6 +40,7 @@ from meshyard.serve.app import request_payload
 from meshyard.serve.chat import ChatShape, parse_chat, template_for
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
 from meshyard.serve.dynamic_generate import DynamicGenerateItem, streamed
+from meshyard.serve.event_stream import EventStream
 from meshyard.serve.requests import bad, shown
 from meshyard.serve.routing import VERSION_HEADER
 from meshyard.serve.types import BadRequest, DeadlineExceeded, NotFound, QueueFull, ServeError
@@ -150,8 +151,7 @@ async def _answer(server: Server, request: Request, source: ModelSource, call: C
         await events.aclose()
         raise
     chunk_head = {**head, "object": shape.chunk_object}
-    return StreamingResponse(_sse(chunk_head, call, shape, first, events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return EventStream(_sse(chunk_head, call, shape, first, events), headers={"Cache-Control": "no-cache"})
 
 
 async def _completion(head: dict[str, Any], call: CompletionCall, shape: Shape,
@@ -194,19 +194,18 @@ async def _sse(head: dict[str, Any], call: CompletionCall, shape: Shape, first: 
     of the events that are ready together go out in one write (one send through the server
     and one read for the client, where the stream's steps came faster than it was written)."""
     completion_tokens = 0
-    usage = {"usage": None} if call.include_usage else {}
+    chunk = ChunkTemplate(head, call.include_usage)
     started: set[int] = set()  # the choices that had their first chunk
     async with aclosing(events):
         try:
             ready: list[Event] | None = first
             while ready is not None:
-                completion_tokens += sum(event.tokens for event in ready)
                 chunks = []
                 for event in ready:
-                    choice = shape.chunk_choice(event.index, event.text, event.logprobs, event.finish,
-                                                event.index not in started)
+                    completion_tokens += event.tokens
+                    chunks.append(chunk.of(shape.chunk_choice(event.index, event.text, event.logprobs, event.finish,
+                                                              event.index not in started)))
                     started.add(event.index)
-                    chunks.append(_data({**head, "choices": [choice], **usage}))
                 yield "".join(chunks)
                 ready = await anext(events, None)
         except ServeError as exc:
@@ -222,57 +221,93 @@ async def _sse(head: dict[str, Any], call: CompletionCall, shape: Shape, first: 
     yield "data: [DONE]\n\n"
 
 
+class ChunkTemplate:
+    """A stream's chunk event around one choice, its constant part (id, object, created, model
+    and, when usage is asked for, ``"usage": null``) serialised once: the event equals
+    ``_data({**head, "choices": [choice], ...})``, at the cost of the choice's own JSON."""
+
+    def __init__(self, head: dict[str, Any], include_usage: bool) -> None:
+        self.before = f"data: {json.dumps(head)[:-1]}, \"choices\": ["
+        self.after = ("], \"usage\": null}\n\n" if include_usage else "]}\n\n")
+
+    def of(self, choice: dict[str, Any]) -> str:
+        return f"{self.before}{json.dumps(choice)}{self.after}"
+
+
 def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
 async def _events(server: Server, source: ModelSource, call: CompletionCall, deadline: float,
                   is_disconnected: IsDisconnected) -> AsyncIterator[list[Event]]:
-    """The events of every choice as they come (each choice runs as its own task), in lists
-    of those that are ready together; the first failure of any choice is raised (after the
-    events before it) and stops the others."""
+    """The events of every choice as they come, in lists of those that are ready together; the
+    first failure of any choice is raised (after the events before it) and stops the others.
+    A lone choice is read in the request's own task (no hand-over per step); several run as
+    a task each (``_merged``)."""
     async with server.models.use(source) as engine:
         if not engine.supports_generate:
             raise bad(f"model '{source.name}' gives next-token distributions only and cannot complete text; "
                       f"ask POST /v1/models/{source.name}/logits instead", 400)
         lane = server.lane(source, "generate", engine)
-        queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
-        tasks = [asyncio.create_task(_choice(server, lane, engine, source.tokenizer, call, choice, deadline,
-                                             is_disconnected, queue)) for choice in call.choices()]
+        choices = [_choice(server, lane, engine, source.tokenizer, call, choice, deadline, is_disconnected)
+                   for choice in call.choices()]
+        merged = choices[0] if len(choices) == 1 else _merged(choices)
+        async with aclosing(merged):
+            async for ready in merged:
+                yield ready
+
+
+async def _merged(choices: list[AsyncIterator[list[Event]]]) -> AsyncIterator[list[Event]]:
+    """The events of several choices, each read in its own task, in lists of those that are
+    ready together; the first failure is raised (after the events before it) and stops the
+    others. Each choice ends with the event that carries its finish reason."""
+    queue: asyncio.Queue[list[Event] | BaseException] = asyncio.Queue()
+
+    async def read(choice: AsyncIterator[list[Event]]) -> None:
         try:
-            going = len(tasks)
-            while going:
-                ready = [await queue.get()]
-                while not queue.empty():
-                    ready.append(queue.get_nowait())
-                failure = next((item for item in ready if isinstance(item, BaseException)), None)
-                if failure is not None:
-                    ready = ready[: ready.index(failure)]
-                if ready:
-                    going -= sum(event.finish is not None for event in ready)
-                    yield ready
-                if failure is not None:
-                    raise failure
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            async with aclosing(choice):
+                async for ready in choice:
+                    queue.put_nowait(ready)
+        except Exception as exc:  # noqa: BLE001 - raised by _merged to the request
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(read(choice)) for choice in choices]
+    try:
+        going = len(tasks)
+        while going:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            failure = next((item for item in items if isinstance(item, BaseException)), None)
+            if failure is not None:
+                items = items[: items.index(failure)]
+            ready = [event for item in items for event in item]
+            if ready:
+                going -= sum(event.finish is not None for event in ready)
+                yield ready
+            if failure is not None:
+                raise failure
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokenizer, call: CompletionCall,
-                  choice: tuple[int, list[int], Sampling], deadline: float, is_disconnected: IsDisconnected,
-                  queue: asyncio.Queue) -> None:
-    """One choice: its tokens through its TextStream into ``queue`` as events, ending with
-    the one that carries its finish reason (or with the exception that ended it)."""
+                  choice: tuple[int, list[int], Sampling], deadline: float,
+                  is_disconnected: IsDisconnected) -> AsyncIterator[list[Event]]:
+    """One choice's events: its tokens through its TextStream, an event per step, in lists of
+    the steps that were ready together; the last event carries its finish reason."""
     index, prompt, sampling = choice
     text = TextStream(tokenizer, call.stop)
     echo = call.texts[index // call.n] if call.echo else ""
     offset = len(echo)
-    try:
-        by_step = call.stream or bool(call.stop)
-        async with aclosing(_tokens(lane, engine, prompt, sampling, deadline, is_disconnected, by_step)) as steps:
-            async for tokens in steps:
-                context = prompt + text.tokens
+    by_step = call.stream or bool(call.stop)
+    async with aclosing(_tokens(lane, engine, prompt, sampling, deadline, is_disconnected, by_step)) as sources:
+        async for steps in sources:
+            ready = []
+            for tokens in steps:
+                context = prompt + text.tokens if call.logprobs is not None else []
                 delta = text.add(tokens)
                 if text.finish is None and len(text.tokens) >= sampling.max_new_tokens:
                     text.finish, delta = "length", delta + text.end()
@@ -280,31 +315,35 @@ async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokeniz
                 if call.logprobs is not None:
                     logprobs = await _logprobs(server, engine, tokenizer, context, tokens, call.logprobs, offset)
                     offset += sum(len(token) for token in logprobs["tokens"])
-                queue.put_nowait(Event(index, echo + delta, len(tokens), text.finish, logprobs))
+                ready.append(Event(index, echo + delta, len(tokens), text.finish, logprobs))
                 echo = ""
                 if text.finish is not None:
-                    return  # leaving the stream frees the choice's slot at the next step
-        queue.put_nowait(Event(index, echo + text.end(), 0, "length"))
-    except Exception as exc:  # noqa: BLE001 - raised by _events to the request
-        queue.put_nowait(exc)
+                    break
+            if text.finish is not None:
+                break  # leaving the source frees the choice's row at the next step
+            yield ready
+        else:
+            ready = [Event(index, echo + text.end(), 0, "length")]
+    yield ready
 
 
-async def _tokens(lane: Lane, engine: Engine, prompt: list[int], sampling: Sampling, deadline: float,
-                  is_disconnected: IsDisconnected, by_step: bool) -> AsyncIterator[list[int]]:
-    """A choice's new tokens: at every step from a continuous batcher, and from a dynamic one
-    when ``by_step`` (each step then costs the event loop a wake-up, worth it only when the
-    tokens are read as they come); else all at once when the dynamic batch ends."""
+def _tokens(lane: Lane, engine: Engine, prompt: list[int], sampling: Sampling, deadline: float,
+            is_disconnected: IsDisconnected, by_step: bool) -> AsyncIterator[list[list[int]]]:
+    """A choice's new tokens as lists of the steps that are ready together (a list of tokens
+    each): at every step from a continuous batcher, and from a dynamic one when ``by_step``
+    (each step then costs the event loop a wake-up, worth it only when the tokens are read as
+    they come); else all at once, as one step, when the dynamic batch ends."""
     if lane.engine is not None:
-        steps = lane.batcher.stream((prompt, sampling), deadline, is_disconnected)
-    elif by_step:
-        steps = streamed(lambda feed: lane.batcher.submit(DynamicGenerateItem(engine, prompt, sampling, feed),
-                                                          deadline, is_disconnected))
-    else:
-        yield await lane.batcher.submit(DynamicGenerateItem(engine, prompt, sampling), deadline, is_disconnected)
-        return
-    async with aclosing(steps):
-        async for tokens in steps:
-            yield tokens
+        return lane.batcher.stream((prompt, sampling), deadline, is_disconnected)
+    if by_step:
+        return streamed(lambda feed: lane.batcher.submit(DynamicGenerateItem(engine, prompt, sampling, feed),
+                                                         deadline, is_disconnected))
+    return _answered_whole(lane, DynamicGenerateItem(engine, prompt, sampling), deadline, is_disconnected)
+
+
+async def _answered_whole(lane: Lane, item: DynamicGenerateItem, deadline: float,
+                          is_disconnected: IsDisconnected) -> AsyncIterator[list[list[int]]]:
+    yield [await lane.batcher.submit(item, deadline, is_disconnected)]
 
 
 async def _logprobs(server: Server, engine: Engine, tokenizer: Tokenizer, context: list[int], tokens: list[int],
