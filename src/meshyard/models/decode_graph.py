@@ -5,9 +5,11 @@ launches, each with its own host-side cost: the GPU waits on Python. A CUDA grap
 the launches of one step once and replays them in one call. It needs a step whose shapes and
 tensors never change: the model's step over every slot of its KV cache
 (``GPTDecoder.every_slot``), fed through fixed input buffers. Capturing also runs the step,
-so it is done on the first real step, twice on a side stream first to settle the kernels'
+so it is done on a real step, twice on a side stream first to settle the kernels'
 workspaces (the step is idempotent: a rerun writes the same keys and values where the first
-run did). Off CUDA, or where a capture fails, the same step runs eagerly.
+run did). A capture costs a few steps' time, so a cache's first ``EAGER_STEPS`` steps run
+eagerly: a short generation never pays for it. Off CUDA, or where a capture fails, the
+same step runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from meshyard.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
+
+EAGER_STEPS = 8
 
 EverySlotStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """step(tokens, positions, stepped) -> logits [slots, vocab], all [slots] on the cache's device."""
@@ -38,6 +42,7 @@ class DecodeGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None  # the graph's output, rewritten by each replay
         self.captures = self.device.type == "cuda"
+        self.steps = 0
 
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  stepped: torch.Tensor) -> torch.Tensor:
@@ -47,7 +52,8 @@ class DecodeGraph:
         self.positions.copy_(positions)
         self.stepped.copy_(stepped)
         self.tokens.index_copy_(0, device_slots, tokens)
-        if self._graph is None and self.captures:
+        self.steps += 1
+        if self._graph is None and self.captures and self.steps > EAGER_STEPS:
             self._capture()
         if self._graph is None:
             logits = self._step(self.tokens, self.positions, self.stepped)
