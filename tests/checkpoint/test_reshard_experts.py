@@ -2,10 +2,10 @@
 
 Expert weights are saved as DTensors sharded over the experts (and by FSDP over the rest),
 under the names and global shapes of the model, so DCP reshards them on load. One run goes
-ep = 2 -> 4 -> 2 x tp = 2 -> 1 in segments on four ranks, each segment resuming the last
-one's checkpoint (into and out of ep x tp, where attention and the shared expert are split
-over tp as well), then ep = 1 -> one process with no parallelism at all; every segment
-continues the loss trajectory of a run that trained without stopping.
+ep = 2 -> 4 -> 2 x tp = 2 -> 1 -> 2 in segments on four ranks, each segment resuming the
+last one's checkpoint (into and out of ep x tp, where attention and the shared expert are
+split over tp as well), then ep = 2 -> one process with no parallelism at all; every
+segment continues the loss trajectory of a run that trained without stopping.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.checkpoint.test_reshard import job, run_dir
 from tests.inprocess import fit_jobs
 
 SEGMENT = 2
-EP_CHAIN = ((2, 1), (4, 1), (2, 2), (1, 1))  # (ep, tp) of each segment, on four ranks
+EP_CHAIN = ((2, 1), (4, 1), (2, 2), (1, 1), (2, 1))  # (ep, tp) of each segment, on four ranks
 MOE = ("--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_shared_experts=1", "--train.micro_batch=2",
        "--metrics.mfu=false")
 
@@ -62,7 +62,7 @@ def test_segments_on_other_ep_degrees_continue_the_same_training(request):
         assert [r["step"] for r in records] == list(range(SEGMENT * index + 1, SEGMENT * (index + 1) + 1))
         for record in records:
             assert record["loss"] == pytest.approx(whole[record["step"] - 1]["loss"], rel=1e-5), (index, ep, tp)
-    # The last segment's checkpoint (ep = 1 on four ranks) into one process without FSDP:
+    # The last segment's checkpoint (ep = 2 on four ranks) into one process without FSDP:
     # accumulating the same micro-batches of two samples, it continues the same training.
     last = run_dir(folder, _name(len(EP_CHAIN) - 1, *EP_CHAIN[-1]))
     steps = SEGMENT * (len(EP_CHAIN) + 1)
