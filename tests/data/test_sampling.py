@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
-from meshyard.data.sampling import GlobalBatchSampler, eval_indices
+from meshyard.data.sampling import GlobalBatchSampler, SpanOrder, eval_indices
 
 
 def rank_batches(dp_size: int, steps: int, micro: int, global_batch: int = 8, n: int = 50, seed: int = 0):
@@ -89,3 +90,22 @@ def test_a_batched_fetch_of_token_windows_is_the_collated_windows():
     assert inputs.dtype == targets.dtype == torch.int64
     assert inputs.is_contiguous() and targets.is_contiguous()
     assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+
+
+def test_a_span_order_is_one_epoch_of_distinct_samples_the_same_on_every_world_size():
+    span_of_sample = np.repeat(np.arange(25), 20)  # 25 spans of 20 samples
+    order = SpanOrder(span_of_sample, global_batch=8, seed=3)
+    one = order(0)
+    assert len(one) == len(set(one.tolist())) == 500 // 8 * 8  # the last partial global batch waits
+    assert not np.array_equal(one, order(1)) and np.array_equal(one, SpanOrder(span_of_sample, 8, 3)(0))
+    per_step = {}
+    for ranks in (1, 2, 4, 8):
+        samplers = [GlobalBatchSampler(500, 8, 1, r, ranks, 3, order=order) for r in range(ranks)]
+        per_step[ranks] = [[i for s in samplers for micro in s.step_indices(step) for i in micro] for step in range(70)]
+    assert per_step[1] == per_step[2] == per_step[4] == per_step[8]
+    places = np.asarray(per_step[1][:62])  # one epoch: [step, place]
+    spans_per_place = [len(set(span_of_sample[places[:, j]].tolist())) for j in range(8)]
+    assert max(spans_per_place) <= 62 // 20 + 2  # each place reads one span after another
+    for span in range(25):  # the samples within a span are shuffled
+        inside = one[span_of_sample[one] == span]
+        assert not np.array_equal(np.sort(inside), inside) or len(inside) < 3

@@ -22,6 +22,7 @@ from tests.s3_server import start_s3_server
 
 URL = "s3://corpora/reader"
 SHARD_TOKENS = 100
+WHOLE_CORPUS = "--data.shuffle_span_shards=0"  # the text source's order, for tests that compare with it
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def windows(batch_list):
 def test_two_ranks_read_exactly_the_text_sources_windows_through_a_cache_smaller_than_their_shards(tmp_path, corpus):
     steps = 6
     expected, _ = batches(text_config(tmp_path / "text", corpus), steps)
-    small = [f"--data.cache_bytes={2 * SHARD_TOKENS}"]  # two shards, of the 30+ each rank reads
+    small = [f"--data.cache_bytes={2 * SHARD_TOKENS}", WHOLE_CORPUS]  # two shards, of the 30+ each rank reads
     fetched: list[str] = []
 
     def logged(cache: ShardCache) -> None:
@@ -97,8 +98,41 @@ def test_a_shard_that_fails_twice_is_fetched_on_the_third_try_and_slow_fetches_o
         cache.store.read = slow_and_failing
 
     expected, _ = batches(text_config(tmp_path / "text", corpus), 4)
-    got, _ = batches(data_config(tmp_path / "shards", corpus), 4, patch=flaky)
+    got, _ = batches(data_config(tmp_path / "shards", corpus, WHOLE_CORPUS), 4, patch=flaky)
     assert windows(got) == windows(expected) and failures["shard-00003.u8"] == 3
+
+
+def test_in_spans_each_rank_reads_the_samplers_samples_and_fetches_only_its_own_shards_once(tmp_path, corpus):
+    """The default order reads a span of 2 shards per place in the global batch: 2 ranks
+    together read the sampler's samples of every step, each fetches only the shards its own
+    places' spans hold (and the shard its spans' last samples end in), each once, and
+    neither fetches what the other does except where one span ends where another begins."""
+    steps, fetched = 6, {0: [], 1: []}
+
+    def logged(rank: int):
+        def patch(cache: ShardCache) -> None:
+            read = cache.store.read
+            cache.store.read = lambda name: fetched[rank].append(name) or read(name)
+        return patch
+
+    ranks = [batches(data_config(tmp_path / f"rank{r}", corpus), steps, r, 2, logged(r)) for r in range(2)]
+    sampler, dataset = ranks[0][1].sampler, ranks[0][1].train_loader.dataset
+    stream = np.asarray(load_corpus(text_config(tmp_path / "text", corpus)).tokens)
+    for step in range(steps):
+        expected = [stream[(dataset.first + i) * 30:(dataset.first + i) * 30 + 31][:-1].tolist()
+                    for i in sampler.global_indices(step)]
+        read = [row.tolist() for r in range(2) for inputs, _ in ranks[r][0][2 * step:2 * step + 2] for row in inputs]
+        assert read == expected
+    spans = dataset.tokens.shard_numbers((dataset.first + np.arange(dataset.count)) * 30) // 2
+    for r in range(2):
+        own = {r_sampler_index for step in range(steps + 2)
+               for batch in ranks[r][1].sampler.step_indices(step) for r_sampler_index in batch}
+        own_spans = {int(spans[i]) for i in own}
+        allowed = {f"shard-{k:05d}.u8" for s in own_spans for k in (2 * s, 2 * s + 1, 2 * s + 2)}
+        assert fetched[r] and set(fetched[r]) <= allowed
+        assert len(fetched[r]) == len(set(fetched[r]))  # the cache holds what a rank reads at once
+    total = len(dataset.tokens.shards)
+    assert len(set(fetched[0]) | set(fetched[1])) <= total and len(set(fetched[0])) < total // 2 + 4
 
 
 def test_a_corrupted_shard_is_fetched_again_then_refused_in_one_paragraph(tmp_path, corpus):
@@ -128,7 +162,7 @@ def test_a_training_run_on_shards_matches_one_on_the_text(tmp_path, corpus):
     common = ["--data.seq_len=30", "--data.val_fraction=0", "--train.steps=3", "--optim.schedule=constant"]
     text = meshyard.run(tiny_config(tmp_path / "a", "--data.source=text", f"--data.paths={paths}", *common), nproc=1)
     shards = meshyard.run(tiny_config(
-        tmp_path / "b", "--data.source=shards", f"--data.url={URL}", *common,
+        tmp_path / "b", "--data.source=shards", f"--data.url={URL}", WHOLE_CORPUS, *common,
         f'--data.storage_options={{ key = "testing", secret = "testing", client_kwargs = '
         f'{{ endpoint_url = "{endpoint}" }} }}'), nproc=1)
     assert [r["loss"] for r in shards.metrics()] == [r["loss"] for r in text.metrics()]

@@ -14,7 +14,9 @@ import pytest
 
 import meshyard
 from meshyard.data.prepare import prepare_shards
-from meshyard.data.sampling import GlobalBatchSampler
+import numpy as np
+
+from meshyard.data.sampling import GlobalBatchSampler, SpanOrder
 from meshyard.data.shards import ShardStore
 from tests.checkpoint.helpers import REPO, latest_checkpoint, wait_for_step
 from tests.data.recording_shards import read_batches
@@ -49,9 +51,18 @@ def job(tmp_path: Path, endpoint: str) -> list[str]:
     ]
 
 
-def sampler_order(num_samples: int, rank: int, ranks: int, steps: range) -> list[list[int]]:
+def span_order(store: ShardStore) -> tuple[int, SpanOrder]:
+    """The corpus's training samples and their order by default: in spans of 2 shards."""
+    index = store.read_index()
+    samples = (index.total_tokens - 1) // SEQ_LEN
+    shard_starts = np.cumsum([0] + [shard.tokens for shard in index.shards])
+    shards = np.searchsorted(shard_starts, np.arange(samples) * SEQ_LEN, side="right") - 1
+    return samples, SpanOrder(shards // 2, GLOBAL_BATCH, SEED)
+
+
+def sampler_order(order: tuple[int, SpanOrder], rank: int, ranks: int, steps: range) -> list[list[int]]:
     """The micro-batches rank ``rank`` of ``ranks`` takes in optimizer steps ``steps`` (1-based)."""
-    sampler = GlobalBatchSampler(num_samples, GLOBAL_BATCH, MICRO_BATCH, rank, ranks, SEED)
+    sampler = GlobalBatchSampler(order[0], GLOBAL_BATCH, MICRO_BATCH, rank, ranks, SEED, order=order[1])
     return [batch for step in steps for batch in sampler.step_indices(step - 1)]
 
 
@@ -78,16 +89,16 @@ def test_killed_on_two_ranks_and_resumed_on_one_trains_on_every_sample_once(tmp_
     assert records[-1]["step"] == STEPS
 
     store = ShardStore(URL, {**S3_OPTIONS, "client_kwargs": {"endpoint_url": endpoint}})
-    samples = (store.read_index().total_tokens - 1) // SEQ_LEN
+    order = span_order(store)
     trained = []
     for rank in (0, 1):  # what each killed rank read up to the checkpoint resumed from, in its order
-        expected = sampler_order(samples, rank, 2, range(1, resumed + 1))
+        expected = sampler_order(order, rank, 2, range(1, resumed + 1))
         assert first_run[rank][: len(expected)] == expected
         trained += expected
     second_run = read_batches(seen)
-    assert second_run == sampler_order(samples, 0, 1, range(resumed + 1, STEPS + 1))
+    assert second_run == sampler_order(order, 0, 1, range(resumed + 1, STEPS + 1))
     trained = [i for batch in trained + second_run for i in batch]
-    everything = GlobalBatchSampler(samples, GLOBAL_BATCH, MICRO_BATCH, 0, 1, SEED)
+    everything = GlobalBatchSampler(order[0], GLOBAL_BATCH, MICRO_BATCH, 0, 1, SEED, order=order[1])
     assert sorted(trained) == sorted(i for step in range(STEPS) for i in everything.global_indices(step))
     assert len(set(trained)) == len(trained) == STEPS * GLOBAL_BATCH  # none twice, none lost
     assert list(seen.glob("*.failed")) and all(p.read_text() for p in seen.glob("*.failed"))  # faults injected

@@ -80,6 +80,8 @@ def _data_problems(d: DataConfig) -> list[str]:
         (d.source != "shards" or bool(d.url.strip()),
          "data.source = 'shards' needs data.url, the folder or URL 'meshyard data prepare' wrote"),
         (d.cache_bytes >= 1, f"data.cache_bytes = {d.cache_bytes} must be at least 1"),
+        (d.shuffle_span_shards >= 0, f"data.shuffle_span_shards = {d.shuffle_span_shards} must be 0 (shuffle over the "
+         "whole corpus) or more"),
         (all(isinstance(path, str) for path in d.paths),
          f"data.paths = {d.paths} must list files or glob patterns as strings"),
         (d.seq_len >= 1, f"data.seq_len = {d.seq_len} must be at least 1"),

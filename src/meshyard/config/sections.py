@@ -104,6 +104,13 @@ class DataConfig:
                       "'meshyard data prepare' wrote.")
     cache_bytes: int = option(1 << 30, "For data.source = 'shards': the most bytes of shards each rank keeps in its "
                               "local cache (under data.cache_dir), evicting the least recently used.")
+    shuffle_span_shards: int = option(
+        2, "For data.source = 'shards': samples are shuffled within spans of this many consecutive shards, and the "
+        "spans into a new order every epoch; each place in the global batch reads its own stretch of spans, so a "
+        "rank fetches only its share of the corpus, a span at a time for each of its places (global batch / "
+        "data-parallel size of them; the cache should hold twice that many spans). Larger spans mix samples from "
+        "further apart. 0 shuffles over the whole corpus, as the other sources do: a rank then fetches a shard for "
+        "nearly every sample.")
     storage_options: dict = option({}, "For data.source = 'shards': fsspec options of data.url's storage, e.g. "
                                    "{ client_kwargs = { endpoint_url = \"http://...\" } }; credentials are best "
                                    "left to the environment.")

@@ -10,6 +10,12 @@ the ``r``-th contiguous slice of that range and cuts it into micro-batches. So:
   and N ranks train on the same batches (the basis of parity tests), and a position
   saved as a step index maps onto any other world size.
 
+Every source shuffles over all its samples, except a corpus of token shards on object
+storage, which reads best shard by shard: ``SpanOrder`` draws its epochs so that each
+place in the global batch reads its own stretch of the corpus, a few shards at a time,
+and a rank fetches only its share. It is still a function of the seed and the global
+batch (and the corpus), never of the world size.
+
 Stretches of the stream can be skipped (``skip``: the spike and NaN guard drops the
 samples of steps it rolled back): optimizer step ``s`` then takes the ``s``-th stream
 step that is not skipped, so the skip list and a step index still say exactly where
@@ -37,6 +43,7 @@ class GlobalBatchSampler:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        order: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         if global_batch > num_samples:
             raise ValueError(
@@ -52,6 +59,7 @@ class GlobalBatchSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.order = order  # epoch -> its samples in order (``SpanOrder``); None: a permutation of all
         self.steps_per_epoch = num_samples // global_batch  # the last partial batch is dropped
         self.start_step = 0  # where a new iterator begins (set by a resume)
         self.micro_per_step = global_batch // (micro_batch * dp_size)
@@ -96,6 +104,8 @@ class GlobalBatchSampler:
     def epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_samples)
+        if self.order is not None:
+            return self.order(epoch)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def step_indices(self, step: int) -> list[list[int]]:
@@ -149,6 +159,43 @@ class SamplerIterator:
         if self.micro == s.micro_per_step:
             self.step, self.micro = s._after_skips(self.step + 1), 0
         return batch
+
+
+class SpanOrder:
+    """The epochs of a corpus read in spans of consecutive shards, for a source that fetches
+    whole shards (``meshyard.data.shard_reader``).
+
+    Samples are grouped by the span their first token lies in. Each epoch puts the spans
+    in a new order and the samples of each span in a new order, one span after another;
+    that sequence is cut into ``global_batch`` equal lanes, and place ``j`` of every global
+    batch takes lane ``j``'s next sample. So a lane reads one span (a few shards) for many
+    steps before it needs another, and a rank, whose slice of every global batch is the
+    same places, reads only its lanes' spans: its share of the corpus, on any world size
+    that divides the global batch. The order depends on the seed, the global batch and
+    the corpus's spans only; samples beyond the last whole global batch wait for a later
+    epoch (as with a permutation, each epoch drops a different few).
+    """
+
+    def __init__(self, span_of_sample: np.ndarray, global_batch: int, seed: int) -> None:
+        self.span_of_sample = np.asarray(span_of_sample, dtype=np.int64)
+        self.global_batch = global_batch
+        self.seed = seed
+        self.spans = int(self.span_of_sample.max()) + 1 if len(self.span_of_sample) else 0
+        self._last: tuple[int, np.ndarray] | None = None  # the latest epoch asked for: asked again each step
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        if self._last is not None and self._last[0] == epoch:
+            return self._last[1]
+        rng = np.random.default_rng([self.seed, epoch, 1])  # not the permutation's stream
+        span_place = rng.permutation(self.spans).astype(np.float64)
+        # Sorting by span place plus a number in [0, 1) orders the spans, and the samples
+        # within each at random: one sort instead of a permutation per span.
+        sequence = np.argsort(span_place[self.span_of_sample] + rng.random(len(self.span_of_sample)), kind="stable")
+        steps = len(sequence) // self.global_batch
+        lanes = sequence[: steps * self.global_batch].reshape(self.global_batch, steps)
+        order = lanes.T.reshape(-1)  # step s, place j: lane j's s-th sample
+        self._last = (epoch, order)
+        return order
 
 
 def eval_indices(num_samples: int, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> list[list[int]]:

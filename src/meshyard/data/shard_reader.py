@@ -212,21 +212,25 @@ class ShardedTokens:
             return self._gather(np.arange(first, stop, step, dtype=np.int64))
         return self._gather(np.asarray(key, dtype=np.int64))
 
+    def shard_numbers(self, positions: np.ndarray) -> np.ndarray:
+        """The number of the shard that holds each of ``positions`` (token offsets), in their shape."""
+        return np.searchsorted(self.starts, positions, side="right") - 1
+
     def shards_of(self, positions: np.ndarray) -> list[int]:
         """The shards (their numbers) that hold ``positions``."""
-        return np.unique(np.searchsorted(self.starts, positions.reshape(-1), side="right") - 1).tolist()
+        return np.unique(self.shard_numbers(positions.reshape(-1))).tolist()
 
     def prefetch(self, positions: np.ndarray) -> None:
         """Start fetching the shards that hold ``positions`` (token offsets) in the background,
         the first needed first, as many as half the cache holds: the other half keeps the
         shards being read from being evicted by what is fetched ahead of them."""
-        order = np.searchsorted(self.starts, positions.reshape(-1), side="right") - 1
+        order = self.shard_numbers(positions.reshape(-1))
         numbers = list(dict.fromkeys(order.tolist()))  # first need first, each once
         self.cache.prefetch(self.shards[k] for k in numbers[: max(1, self.cache.capacity // 2)])
 
     def _gather(self, positions: np.ndarray) -> np.ndarray:
         out = np.empty(positions.shape, dtype=self.dtype)
-        owner = np.searchsorted(self.starts, positions, side="right") - 1
+        owner = self.shard_numbers(positions)
         numbers = np.unique(owner).tolist()
         # The shards of this read in parallel, as many as the cache holds at once.
         self.cache.prefetch((self.shards[k] for k in numbers[: self.cache.capacity]), now=True)

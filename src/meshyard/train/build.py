@@ -162,6 +162,9 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     batch = placement.batch
     data = build_data(cfg.data, batch.global_batch, batch.micro_batch, placement.dp_rank, batch.dp_size,
                       cfg.train.seed, runtime.device)
+    for warning in data.warnings:
+        if runtime.is_main:  # every rank's would say the same
+            observers.report(warning)
     start = start_from(cfg.model, cfg.data, data.vocab_size, data.description)
     dtype = resolve_dtype(cfg.precision.dtype, runtime.device)
     parallelized, parameters, model_init, ties = build_parallel_model(cfg, runtime, placement, data, dtype,
