@@ -13,8 +13,11 @@ rounds (local, warm, cold, local, ...) so drift on a shared machine hits all thr
 - shards, warm cache: ``data.source = "shards"``, each rank's cache holding every shard
   its samples of the run fall in before the first step (fetched then, not counted);
 - shards, cold cache: an empty cache of --cold-cache-shards shards, so every shard is
-  downloaded during the run (and evicted, and downloaded again when read later), ahead
-  of need by the look-ahead of the next two steps.
+  downloaded during the run, ahead of need by the look-ahead of the next two steps. In
+  the shards' default order (spans of ``data.shuffle_span_shards`` shards, one stretch of
+  the corpus per place in the global batch) a rank fetches a shard for each few steps;
+  small --shard-tokens make that a fetch or more per step (1024: two per step per rank),
+  and --span-shards 0 (a shuffle over the whole corpus) one for nearly every sample.
 
 Step times are rank 0's ``step_time_s`` of the steps after --warmup (the cold cache's
 first steps wait for their shards; the look-ahead then runs ahead), as medians over the
@@ -30,6 +33,7 @@ cores and the ranks of every run (local ones too) on the others.
 
     python benchmarks/data.py [--nproc 2] [--model gpt-mini] [--steps 40] [--warmup 10] [--rounds 3]
                               [--corpus-mb 16] [--shard-tokens 16384] [--cold-cache-shards 64]
+                              [--span-shards 2]
                               [--bandwidth-mbps 0] [--server-cores 0] [--out data.json]
 """
 
@@ -142,7 +146,7 @@ def overrides(args: argparse.Namespace, mode: str, files: list[str], options: di
         return [*common, "--data.source=text", f"--data.paths={json.dumps(files)}"]
     cache = args.cold_cache_shards * args.shard_tokens if mode == "cold" else 1 << 40  # bytes: one per token
     return [*common, "--data.source=shards", f"--data.url={URL}", f"--data.cache_bytes={cache}",
-            f"--data.storage_options={toml_table(options)}"]
+            f"--data.shuffle_span_shards={args.span_shards}", f"--data.storage_options={toml_table(options)}"]
 
 
 def toml_table(value: Any) -> str:
@@ -260,7 +264,8 @@ def print_summary(args: argparse.Namespace, summary: dict[str, Any], loopback: f
     local = summary["local"]
     print(f"{args.model}, {args.nproc} ranks, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, {args.rounds} rounds x "
           f"{args.steps - args.warmup} measured steps; corpus {summary['corpus_bytes'] / 1e6:.1f} MB in shards of "
-          f"{args.shard_tokens * 1e-6:.3f} MB; cold cache {args.cold_cache_shards} shards per rank")
+          f"{args.shard_tokens * 1e-6:.3f} MB read in spans of {args.span_shards} (0: shuffled over the whole corpus); "
+          f"cold cache {args.cold_cache_shards} shards per rank")
     limit = f", limited to {args.bandwidth_mbps:g} MB/s per rank" if args.bandwidth_mbps else " (no limit injected)"
     where = (f"in its own process on {args.server_cores} core(s), the ranks on the others" if args.server_cores
              else "in this process, sharing the cores with the ranks")
@@ -279,7 +284,7 @@ def print_summary(args: argparse.Namespace, summary: dict[str, Any], loopback: f
     for mode in ("cold", "warm"):
         for rank, figures in enumerate(summary[mode]["ranks"]):
             print(f"{mode} cache, rank {rank}: downloaded {figures['fetched_bytes'] / 1e6:6.2f} MB in {figures['fetches']}"
-                  f" fetches; its share {figures['share_bytes'] / 1e6:6.2f} MB ({figures['share_shards']} shards); "
+                  f" fetches ({figures['fetches'] / args.steps:.2f} per step); its share {figures['share_bytes'] / 1e6:6.2f} MB ({figures['share_shards']} shards); "
                   f"{figures['fetched_bytes'] / summary['corpus_bytes']:.2f} of the corpus")
 
 
@@ -293,6 +298,8 @@ def main() -> None:
     parser.add_argument("--corpus-mb", type=float, default=16)
     parser.add_argument("--shard-tokens", type=int, default=1 << 14)
     parser.add_argument("--cold-cache-shards", type=int, default=64)
+    parser.add_argument("--span-shards", type=int, default=2,
+                        help="data.shuffle_span_shards of the shard runs; 0 shuffles over the whole corpus")
     parser.add_argument("--bandwidth-mbps", type=float, default=0, help="limit each rank's downloads (MB/s); 0: none")
     parser.add_argument("--server-cores", type=int, default=0,
                         help="run the S3 server in its own process on this many cores and every run's ranks on the "
