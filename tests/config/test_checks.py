@@ -20,6 +20,8 @@ def test_defaults_have_no_problems():
     ("--data.tokenizer=bpe:lots", "data.tokenizer = 'bpe:lots' must be 'bpe:N'"),
     ("--data.tokenizer= ", "data.tokenizer is empty"),
     ("--data.text_field=", "data.text_field is empty"),
+    ("--data.shuffle_span_shards=-1", "data.shuffle_span_shards = -1 must be 0 (shuffle over the whole corpus) or more"),
+    ("--data.shuffle_lanes=5", "data.shuffle_lanes = 5 does not divide train.global_batch = 32"),
     ("--model.pad_vocab_multiple=-64", "model.pad_vocab_multiple = -64 must not be negative"),
     ("--train.eval_batches=0", "train.eval_batches = 0 must be at least 1"),
     ("--optim.betas=[0.9, 1.5]", "optim.betas = [0.9, 1.5] must be two numbers in [0, 1)"),

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from meshyard.data.sampling import GlobalBatchSampler, SpanOrder, eval_indices
+from meshyard.data.sampling import GlobalBatchSampler, SpanOrder, eval_indices, span_lanes
 
 
 def rank_batches(dp_size: int, steps: int, micro: int, global_batch: int = 8, n: int = 50, seed: int = 0):
@@ -94,10 +94,10 @@ def test_a_batched_fetch_of_token_windows_is_the_collated_windows():
 
 def test_a_span_order_is_one_epoch_of_distinct_samples_the_same_on_every_world_size():
     span_of_sample = np.repeat(np.arange(25), 20)  # 25 spans of 20 samples
-    order = SpanOrder(span_of_sample, global_batch=8, seed=3)
+    order = SpanOrder(span_of_sample, global_batch=8, lanes=8, seed=3)
     one = order(0)
     assert len(one) == len(set(one.tolist())) == 500 // 8 * 8  # the last partial global batch waits
-    assert not np.array_equal(one, order(1)) and np.array_equal(one, SpanOrder(span_of_sample, 8, 3)(0))
+    assert not np.array_equal(one, order(1)) and np.array_equal(one, SpanOrder(span_of_sample, 8, 8, 3)(0))
     per_step = {}
     for ranks in (1, 2, 4, 8):
         samplers = [GlobalBatchSampler(500, 8, 1, r, ranks, 3, order=order) for r in range(ranks)]
@@ -109,3 +109,25 @@ def test_a_span_order_is_one_epoch_of_distinct_samples_the_same_on_every_world_s
     for span in range(25):  # the samples within a span are shuffled
         inside = one[span_of_sample[one] == span]
         assert not np.array_equal(np.sort(inside), inside) or len(inside) < 3
+
+
+def test_fewer_lanes_give_each_lane_a_run_of_places_and_keep_the_order_independent_of_the_world_size():
+    span_of_sample = np.repeat(np.arange(40), 16)  # 40 spans of 16 samples
+    order = SpanOrder(span_of_sample, global_batch=8, lanes=2, seed=5)
+    per_step = {}
+    for ranks in (1, 2, 4):
+        samplers = [GlobalBatchSampler(640, 8, 2, r, ranks, 5, order=order) for r in range(ranks)]
+        per_step[ranks] = [[i for s in samplers for micro in s.step_indices(step) for i in micro] for step in range(80)]
+    assert per_step[1] == per_step[2] == per_step[4]
+    steps = np.asarray(per_step[1])  # [step, place]: places 0-3 lane 0, 4-7 lane 1
+    for lane in (0, 1):
+        spans = span_of_sample[steps[:, 4 * lane:4 * lane + 4]].reshape(-1)  # the lane's samples in order
+        assert len(set(spans.tolist())) <= 320 // 16 + 2 and (np.diff(spans) != 0).sum() <= 320 // 16 + 1
+    assert len(set(steps.reshape(-1).tolist())) == 640  # one epoch, every sample once
+    with pytest.raises(ValueError, match="3 lanes do not divide the global batch of 8"):
+        SpanOrder(span_of_sample, 8, 3, 5)
+
+
+def test_the_default_lanes_are_the_largest_divisor_of_the_global_batch_up_to_64():
+    assert [span_lanes(0, b) for b in (8, 48, 64, 96, 512, 7)] == [8, 48, 64, 48, 64, 7]
+    assert span_lanes(4, 512) == 4

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def span_order(store: ShardStore) -> tuple[int, SpanOrder]:
     samples = (index.total_tokens - 1) // SEQ_LEN
     shard_starts = np.cumsum([0] + [shard.tokens for shard in index.shards])
     shards = np.searchsorted(shard_starts, np.arange(samples) * SEQ_LEN, side="right") - 1
-    return samples, SpanOrder(shards // 2, GLOBAL_BATCH, SEED)
+    return samples, SpanOrder(shards // 2, GLOBAL_BATCH, GLOBAL_BATCH, SEED)  # 8 lanes: the default
 
 
 def sampler_order(order: tuple[int, SpanOrder], rank: int, ranks: int, steps: range) -> list[list[int]]:
@@ -73,6 +74,9 @@ def test_killed_on_two_ranks_and_resumed_on_one_trains_on_every_sample_once(tmp_
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     wait_for_step(run_dir, 4, first)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the step-2 checkpoint is written in the background: kill once it is committed
     os.killpg(first.pid, signal.SIGKILL)  # the agent and both workers: no chance to save or clean up
     first.wait(timeout=30)
     resumed = int(latest_checkpoint(run_dir).name.split("-")[1])

@@ -28,6 +28,7 @@ def field_problems(cfg: Config) -> list[str]:
     return [
         *_model_problems(cfg.model, cfg.data),
         *_data_problems(cfg.data),
+        *_lanes_problems(cfg.data, cfg.train),
         *_train_problems(cfg.train),
         *_optim_problems(cfg.optim),
         *_parallel_problems(cfg.parallel),
@@ -82,6 +83,7 @@ def _data_problems(d: DataConfig) -> list[str]:
         (d.cache_bytes >= 1, f"data.cache_bytes = {d.cache_bytes} must be at least 1"),
         (d.shuffle_span_shards >= 0, f"data.shuffle_span_shards = {d.shuffle_span_shards} must be 0 (shuffle over the "
          "whole corpus) or more"),
+        (d.shuffle_lanes >= 0, f"data.shuffle_lanes = {d.shuffle_lanes} must be 0 (the default lanes) or more"),
         (all(isinstance(path, str) for path in d.paths),
          f"data.paths = {d.paths} must list files or glob patterns as strings"),
         (d.seq_len >= 1, f"data.seq_len = {d.seq_len} must be at least 1"),
@@ -126,6 +128,14 @@ def _tokenizer_problems(d: DataConfig) -> list[str]:
         (d.tokenizer == BYTES or d.source in TEXT_SOURCES,
          f"data.tokenizer = '{d.tokenizer}' tokenizes text, but data.source = '{d.source}' reads none; use "
          "data.source = 'text' (or leave data.tokenizer at 'bytes')"),
+    ])
+
+
+def _lanes_problems(d: DataConfig, t: TrainConfig) -> list[str]:
+    return _failed([
+        (d.shuffle_lanes <= 0 or t.global_batch % d.shuffle_lanes == 0,
+         f"data.shuffle_lanes = {d.shuffle_lanes} does not divide train.global_batch = {t.global_batch}: every global "
+         "batch takes the same number of samples from each lane; choose a divisor, or 0 for the default"),
     ])
 
 

@@ -106,11 +106,17 @@ class DataConfig:
                               "local cache (under data.cache_dir), evicting the least recently used.")
     shuffle_span_shards: int = option(
         2, "For data.source = 'shards': samples are shuffled within spans of this many consecutive shards, and the "
-        "spans into a new order every epoch; each place in the global batch reads its own stretch of spans, so a "
-        "rank fetches only its share of the corpus, a span at a time for each of its places (global batch / "
-        "data-parallel size of them; the cache should hold twice that many spans). Larger spans mix samples from "
-        "further apart. 0 shuffles over the whole corpus, as the other sources do: a rank then fetches a shard for "
-        "nearly every sample.")
+        "spans into a new order every epoch; each lane of the global batch (data.shuffle_lanes) reads its own "
+        "stretch of spans, one span at a time. Larger spans mix samples from further apart and need a larger "
+        "cache. 0 shuffles over the whole corpus, as the other sources do: a rank then fetches a shard for nearly "
+        "every sample.")
+    shuffle_lanes: int = option(
+        0, "For data.source = 'shards' read in spans: how many stretches of the corpus every global batch draws "
+        "from side by side, each global batch / lanes samples in a row; a divisor of train.global_batch, 0 takes "
+        "its largest divisor up to 64. A rank fetches only its share of the corpus when the data-parallel size "
+        "divides it, and holds about (lanes / data-parallel size + 1) x (shuffle_span_shards + 1) shards at once "
+        "(a warning at start says when data.cache_bytes holds fewer). Part of the sample order: keep it when "
+        "resuming.")
     storage_options: dict = option({}, "For data.source = 'shards': fsspec options of data.url's storage, e.g. "
                                    "{ client_kwargs = { endpoint_url = \"http://...\" } }; credentials are best "
                                    "left to the environment.")

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from meshyard.config.sections import DataConfig
 from meshyard.data.corpus import DataSourceError, load_corpus
-from meshyard.data.sampling import GlobalBatchSampler, SpanOrder, eval_indices
+from meshyard.data.sampling import GlobalBatchSampler, SpanOrder, eval_indices, span_lanes
 from meshyard.data.shard_reader import ShardedTokens
 from meshyard.plugins import call_with_accepted, is_custom_reference, load_callable
 
@@ -44,13 +44,14 @@ class TokenWindows(Dataset):
         starts = (self.first + np.asarray([i for batch in batches for i in batch], dtype=np.int64)) * self.seq_len
         self.tokens.prefetch(np.concatenate([starts, starts + self.seq_len]))
 
-    def span_order(self, span_shards: int, global_batch: int, seed: int) -> SpanOrder | None:
-        """The order that reads token shards ``span_shards`` at a time (``SpanOrder``), or
-        None where the tokens are no shards (or ``span_shards`` is 0: shuffle over all)."""
+    def span_order(self, span_shards: int, global_batch: int, lanes: int, seed: int) -> SpanOrder | None:
+        """The order that reads token shards ``span_shards`` at a time in ``lanes`` lanes
+        (``SpanOrder``), or None where the tokens are no shards (or ``span_shards`` is 0:
+        shuffle over all)."""
         if not isinstance(self.tokens, ShardedTokens) or span_shards <= 0:
             return None
         firsts = (self.first + np.arange(self.count, dtype=np.int64)) * self.seq_len
-        return SpanOrder(self.tokens.shard_numbers(firsts) // span_shards, global_batch, seed)
+        return SpanOrder(self.tokens.shard_numbers(firsts) // span_shards, global_batch, lanes, seed)
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole micro-batch in one gather: what the loader fetches instead of one window
@@ -155,9 +156,12 @@ def build_data(
         train, val, vocab, description = custom_datasets(cfg)
     else:
         train, val, vocab, description, tokenizer_file = split_corpus(cfg)
-    order = train.span_order(cfg.shuffle_span_shards, global_batch, seed) if isinstance(train, TokenWindows) else None
+    order = None
+    if isinstance(train, TokenWindows):
+        order = train.span_order(cfg.shuffle_span_shards, global_batch, span_lanes(cfg.shuffle_lanes, global_batch),
+                                 seed)
     sampler = GlobalBatchSampler(len(train), global_batch, micro_batch, dp_rank, dp_size, seed, order=order)
-    warnings = (cache_warning(train.tokens, cfg, global_batch // dp_size),) if order is not None else ()
+    warnings = (cache_warning(train.tokens, cfg, -(-order.lanes // dp_size)),) if order is not None else ()
     extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True} if cfg.num_workers else {}
     # A private generator: creating a loader iterator draws a seed from it, and drawing
     # from the global RNG instead would shift dropout masks after a resume.
@@ -174,13 +178,14 @@ def build_data(
 
 def cache_warning(tokens: ShardedTokens, cfg: DataConfig, lanes: int) -> str:
     """Why this rank's shard cache will fetch shards again and again, or "" when it holds what
-    the rank reads at once: a span (and the shard after it, which its last sample ends in) for
-    each of its places in the global batch, and as many again fetched ahead."""
-    needed = 2 * lanes * (cfg.shuffle_span_shards + 1)
+    the rank reads at once: for each of its lanes a span and the shard after it (which the
+    span's last sample ends in), and one lane's worth more, fetched ahead of the next span."""
+    needed = (lanes + 1) * (cfg.shuffle_span_shards + 1)
     if tokens.cache.capacity >= needed:
         return ""
     shard_bytes = max(s.tokens for s in tokens.shards) * tokens.dtype.itemsize
-    return (f"data.cache_bytes = {cfg.cache_bytes} holds {tokens.cache.capacity} shards of {tokens.cache.store.url}, "
-            f"but this rank reads from {lanes} places in the global batch, {cfg.shuffle_span_shards} shards "
-            f"(data.shuffle_span_shards) each, and fetches as many ahead: shards will be fetched again and again. "
-            f"Raise data.cache_bytes to {needed * shard_bytes} or lower data.shuffle_span_shards")
+    return (f"data.cache_bytes = {cfg.cache_bytes} holds {tokens.cache.capacity} shard(s) of {tokens.cache.store.url}, "
+            f"but this rank reads {lanes} lane(s) of the global batch at once, each a span of "
+            f"{cfg.shuffle_span_shards} shard(s) (data.shuffle_span_shards) and the shard after it, and fetches ahead: "
+            f"shards will be fetched again and again. Raise data.cache_bytes to {needed * shard_bytes}, or lower "
+            "data.shuffle_lanes or data.shuffle_span_shards")

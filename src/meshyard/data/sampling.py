@@ -161,24 +161,41 @@ class SamplerIterator:
         return batch
 
 
+DEFAULT_MOST_LANES = 64
+"""``data.shuffle_lanes = 0`` takes the largest divisor of the global batch up to this."""
+
+
+def span_lanes(configured: int, global_batch: int) -> int:
+    """The lanes of a ``SpanOrder``: ``configured`` (a divisor of the global batch, checked
+    with the config), or for 0 the largest divisor of the global batch up to
+    ``DEFAULT_MOST_LANES``."""
+    if configured:
+        return configured
+    return max(d for d in range(1, min(global_batch, DEFAULT_MOST_LANES) + 1) if global_batch % d == 0)
+
+
 class SpanOrder:
     """The epochs of a corpus read in spans of consecutive shards, for a source that fetches
     whole shards (``meshyard.data.shard_reader``).
 
     Samples are grouped by the span their first token lies in. Each epoch puts the spans
     in a new order and the samples of each span in a new order, one span after another;
-    that sequence is cut into ``global_batch`` equal lanes, and place ``j`` of every global
-    batch takes lane ``j``'s next sample. So a lane reads one span (a few shards) for many
-    steps before it needs another, and a rank, whose slice of every global batch is the
-    same places, reads only its lanes' spans: its share of the corpus, on any world size
-    that divides the global batch. The order depends on the seed, the global batch and
-    the corpus's spans only; samples beyond the last whole global batch wait for a later
-    epoch (as with a permutation, each epoch drops a different few).
+    that sequence is cut into ``lanes`` equal stretches, and each global batch takes the
+    next ``global_batch / lanes`` samples of every lane, lane after lane. So a lane reads
+    one span (a few shards) for many steps before it needs another, and a rank, whose slice
+    of every global batch is the same places, reads only its lanes' spans: its share of the
+    corpus where the data-parallel size divides ``lanes``. The order depends on the seed,
+    the global batch, the lanes and the corpus's spans only, never on the world size;
+    samples beyond the last whole global batch wait for a later epoch (as with a
+    permutation, each epoch drops a different few).
     """
 
-    def __init__(self, span_of_sample: np.ndarray, global_batch: int, seed: int) -> None:
+    def __init__(self, span_of_sample: np.ndarray, global_batch: int, lanes: int, seed: int) -> None:
+        if global_batch % lanes:
+            raise ValueError(f"{lanes} lanes do not divide the global batch of {global_batch}")
         self.span_of_sample = np.asarray(span_of_sample, dtype=np.int64)
         self.global_batch = global_batch
+        self.lanes = lanes
         self.seed = seed
         self.spans = int(self.span_of_sample.max()) + 1 if len(self.span_of_sample) else 0
         self._last: tuple[int, np.ndarray] | None = None  # the latest epoch asked for: asked again each step
@@ -192,8 +209,9 @@ class SpanOrder:
         # within each at random: one sort instead of a permutation per span.
         sequence = np.argsort(span_place[self.span_of_sample] + rng.random(len(self.span_of_sample)), kind="stable")
         steps = len(sequence) // self.global_batch
-        lanes = sequence[: steps * self.global_batch].reshape(self.global_batch, steps)
-        order = lanes.T.reshape(-1)  # step s, place j: lane j's s-th sample
+        per_lane = self.global_batch // self.lanes
+        lanes = sequence[: steps * self.global_batch].reshape(self.lanes, steps, per_lane)
+        order = lanes.transpose(1, 0, 2).reshape(-1)  # step s: every lane's s-th run of per_lane samples
         self._last = (epoch, order)
         return order
 
