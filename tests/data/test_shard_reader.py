@@ -10,7 +10,7 @@ import pytest
 
 import meshyard
 from meshyard.config.load import load_config
-from meshyard.data.loader import build_data
+from meshyard.data.loader import build_data, cache_warning
 from meshyard.data.prepare import prepare_shards
 from meshyard.data.shard_reader import ShardCache, open_shards
 from meshyard.data.corpus import load_corpus
@@ -220,4 +220,21 @@ def test_a_read_waits_only_for_its_own_shards_not_for_those_fetched_ahead(tmp_pa
     tokens[SHARD_TOKENS * 6 + 5]  # queued ahead: taken out of the queue and fetched now
     tokens[SHARD_TOKENS * 9 + 5]  # not asked for before
     assert time.monotonic() - start < 0.8  # behind the queue: 1 s at least
+    tokens.close()
+
+
+def test_a_cache_too_small_for_the_lanes_is_named_at_start_and_one_holding_the_corpus_never_is(tmp_path, corpus):
+    """8 lanes of spans of 2 shards (and the shard after each): 27 shards at once."""
+    def warnings(shards: int, *extra: str) -> tuple[str, ...]:
+        cfg = data_config(tmp_path, corpus, f"--data.cache_bytes={shards * SHARD_TOKENS}", *extra)
+        bundle = build_data(cfg, global_batch=8, micro_batch=4, dp_rank=0, dp_size=1, seed=7)
+        bundle.close()
+        return bundle.warnings
+
+    [warning] = warnings(20)
+    assert "data.cache_bytes = 2000 holds 20 shard(s)" in warning and "Raise data.cache_bytes to 2700" in warning
+    assert warnings(27) == () and warnings(20, "--data.shuffle_lanes=2") == ()
+    assert warnings(20, WHOLE_CORPUS) == ()  # nothing to say about a shuffle over the whole corpus
+    tokens = open_shards(data_config(tmp_path, corpus).url, corpus[1], tmp_path, 48 * SHARD_TOKENS)
+    assert cache_warning(tokens, data_config(tmp_path, corpus), lanes=64) == ""  # 48 shards: the whole corpus
     tokens.close()

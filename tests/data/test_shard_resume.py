@@ -11,12 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import meshyard
 from meshyard.data.prepare import prepare_shards
-import numpy as np
-
 from meshyard.data.sampling import GlobalBatchSampler, SpanOrder
 from meshyard.data.shards import ShardStore
 from tests.checkpoint.helpers import REPO, latest_checkpoint, wait_for_step
@@ -57,8 +56,9 @@ def span_order(store: ShardStore) -> tuple[int, SpanOrder]:
     index = store.read_index()
     samples = (index.total_tokens - 1) // SEQ_LEN
     shard_starts = np.cumsum([0] + [shard.tokens for shard in index.shards])
-    shards = np.searchsorted(shard_starts, np.arange(samples) * SEQ_LEN, side="right") - 1
-    return samples, SpanOrder(shards // 2, GLOBAL_BATCH, GLOBAL_BATCH, SEED)  # 8 lanes: the default
+    spans = (np.searchsorted(shard_starts, np.arange(samples) * SEQ_LEN, side="right") - 1) // 2
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(spans)) + 1, [samples]])
+    return samples, SpanOrder(starts, GLOBAL_BATCH, GLOBAL_BATCH, SEED)  # 8 lanes: the default
 
 
 def sampler_order(order: tuple[int, SpanOrder], rank: int, ranks: int, steps: range) -> list[list[int]]:

@@ -47,11 +47,15 @@ class TokenWindows(Dataset):
     def span_order(self, span_shards: int, global_batch: int, lanes: int, seed: int) -> SpanOrder | None:
         """The order that reads token shards ``span_shards`` at a time in ``lanes`` lanes
         (``SpanOrder``), or None where the tokens are no shards (or ``span_shards`` is 0:
-        shuffle over all)."""
+        shuffle over all). A span's samples are those whose first token lies in its shards."""
         if not isinstance(self.tokens, ShardedTokens) or span_shards <= 0:
             return None
-        firsts = (self.first + np.arange(self.count, dtype=np.int64)) * self.seq_len
-        return SpanOrder(self.tokens.shard_numbers(firsts) // span_shards, global_batch, lanes, seed)
+        span_tokens = self.tokens.starts[::span_shards]  # each span's first token, then maybe the end
+        # The first sample starting at or after each: ceil(token / seq_len), counted from ``first``.
+        firsts = np.clip(-(-span_tokens // self.seq_len) - self.first, 0, self.count)
+        starts = np.unique(np.concatenate([[0], firsts, [self.count]]))
+        return SpanOrder(starts, global_batch, lanes, seed,
+                         f"token shards in spans of {span_shards} shard(s), {lanes} lane(s)")
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole micro-batch in one gather: what the loader fetches instead of one window
@@ -178,14 +182,17 @@ def build_data(
 
 def cache_warning(tokens: ShardedTokens, cfg: DataConfig, lanes: int) -> str:
     """Why this rank's shard cache will fetch shards again and again, or "" when it holds what
-    the rank reads at once: for each of its lanes a span and the shard after it (which the
-    span's last sample ends in), and one lane's worth more, fetched ahead of the next span."""
-    needed = (lanes + 1) * (cfg.shuffle_span_shards + 1)
+    the rank reads at once: for each of its lanes a span and the shards after it that the
+    span's last sample ends in, and one lane's worth more, fetched ahead of the next span; or
+    the whole corpus, where that is less."""
+    smallest = max(1, min(s.tokens for s in tokens.shards))
+    beyond = -(-(cfg.seq_len + 1) // smallest)  # shards a sample starting in a span's last one reaches into
+    needed = min((lanes + 1) * (cfg.shuffle_span_shards + beyond), len(tokens.shards))
     if tokens.cache.capacity >= needed:
         return ""
     shard_bytes = max(s.tokens for s in tokens.shards) * tokens.dtype.itemsize
     return (f"data.cache_bytes = {cfg.cache_bytes} holds {tokens.cache.capacity} shard(s) of {tokens.cache.store.url}, "
             f"but this rank reads {lanes} lane(s) of the global batch at once, each a span of "
-            f"{cfg.shuffle_span_shards} shard(s) (data.shuffle_span_shards) and the shard after it, and fetches ahead: "
+            f"{cfg.shuffle_span_shards} shard(s) (data.shuffle_span_shards) and the shard(s) after it, and fetches ahead: "
             f"shards will be fetched again and again. Raise data.cache_bytes to {needed * shard_bytes}, or lower "
             "data.shuffle_lanes or data.shuffle_span_shards")

@@ -60,6 +60,8 @@ class GlobalBatchSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.order = order  # epoch -> its samples in order (``SpanOrder``); None: a permutation of all
+        if order is not None and getattr(order, "num_samples", num_samples) != num_samples:
+            raise ValueError(f"the sample order covers {order.num_samples} samples, the dataset {num_samples}")
         self.steps_per_epoch = num_samples // global_batch  # the last partial batch is dropped
         self.start_step = 0  # where a new iterator begins (set by a resume)
         self.micro_per_step = global_batch // (micro_batch * dp_size)
@@ -68,6 +70,13 @@ class GlobalBatchSampler:
         # need, such as token shards on object storage); None: nobody asks.
         self.look_ahead: Callable[[list[list[int]]], None] | None = None
         self.look_ahead_batches = 2 * self.micro_per_step  # two steps ahead
+
+    @property
+    def order_description(self) -> str:
+        """What decides the order of samples, as checkpoints record it (never the world size)."""
+        if not self.shuffle:
+            return "in order"
+        return getattr(self.order, "description", "custom") if self.order is not None else "shuffled over all samples"
 
     def skip(self, stream_steps: list[int]) -> None:
         """Never take these stream steps (each a whole global batch) again."""
@@ -178,42 +187,54 @@ class SpanOrder:
     """The epochs of a corpus read in spans of consecutive shards, for a source that fetches
     whole shards (``meshyard.data.shard_reader``).
 
-    Samples are grouped by the span their first token lies in. Each epoch puts the spans
-    in a new order and the samples of each span in a new order, one span after another;
-    that sequence is cut into ``lanes`` equal stretches, and each global batch takes the
-    next ``global_batch / lanes`` samples of every lane, lane after lane. So a lane reads
-    one span (a few shards) for many steps before it needs another, and a rank, whose slice
-    of every global batch is the same places, reads only its lanes' spans: its share of the
-    corpus where the data-parallel size divides ``lanes``. The order depends on the seed,
-    the global batch, the lanes and the corpus's spans only, never on the world size;
-    samples beyond the last whole global batch wait for a later epoch (as with a
-    permutation, each epoch drops a different few).
+    Samples are grouped by the span their first token lies in: ``span_starts`` holds the
+    first sample of each span (the samples are in corpus order, so every span is a range of
+    them), then the number of samples. Each epoch puts the spans in a new order and the
+    samples of each span in a new order, one span after another; that sequence is cut into
+    ``lanes`` equal stretches, and each global batch takes the next ``global_batch / lanes``
+    samples of every lane, lane after lane. So a lane reads one span (a few shards) for many
+    steps before it needs another, and a rank, whose slice of every global batch is the same
+    places, reads only its lanes' spans: its share of the corpus where the data-parallel
+    size divides ``lanes``. The order depends on the seed, the global batch, the lanes and
+    the corpus's spans only, never on the world size; samples beyond the last whole global
+    batch wait for a later epoch (as with a permutation, each epoch drops a different few).
+    ``description`` names the order in checkpoints, so a resume under another one is refused.
     """
 
-    def __init__(self, span_of_sample: np.ndarray, global_batch: int, lanes: int, seed: int) -> None:
+    def __init__(self, span_starts: np.ndarray, global_batch: int, lanes: int, seed: int,
+                 description: str = "") -> None:
         if global_batch % lanes:
             raise ValueError(f"{lanes} lanes do not divide the global batch of {global_batch}")
-        self.span_of_sample = np.asarray(span_of_sample, dtype=np.int64)
+        bounds = np.asarray(span_starts, dtype=np.int64)
+        self.span_starts = bounds[np.concatenate([np.diff(bounds) > 0, [True]])]  # empty spans left out
+        self.num_samples = int(bounds[-1]) if len(bounds) else 0
         self.global_batch = global_batch
         self.lanes = lanes
         self.seed = seed
-        self.spans = int(self.span_of_sample.max()) + 1 if len(self.span_of_sample) else 0
-        self._last: tuple[int, np.ndarray] | None = None  # the latest epoch asked for: asked again each step
+        self.description = description or f"spans of samples in {lanes} lanes"
+        self._recent: dict[int, np.ndarray] = {}  # the last two epochs asked for: asked again each step
 
     def __call__(self, epoch: int) -> np.ndarray:
-        if self._last is not None and self._last[0] == epoch:
-            return self._last[1]
+        if epoch not in self._recent:
+            if len(self._recent) == 2:  # an epoch's last steps look ahead into the next
+                del self._recent[min(self._recent)]
+            self._recent[epoch] = self._build(epoch)
+        return self._recent[epoch]
+
+    def _build(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, epoch, 1])  # not the permutation's stream
-        span_place = rng.permutation(self.spans).astype(np.float64)
-        # Sorting by span place plus a number in [0, 1) orders the spans, and the samples
-        # within each at random: one sort instead of a permutation per span.
-        sequence = np.argsort(span_place[self.span_of_sample] + rng.random(len(self.span_of_sample)), kind="stable")
-        steps = len(sequence) // self.global_batch
+        firsts, sizes = self.span_starts[:-1], np.diff(self.span_starts)
+        element = np.int32 if self.num_samples < 2**31 else np.int64
+        sequence = np.empty(self.num_samples, dtype=element)
+        written = 0
+        for span in rng.permutation(len(sizes)):  # the spans in a new order, each shuffled within
+            size = int(sizes[span])
+            sequence[written:written + size] = firsts[span] + rng.permutation(size)
+            written += size
+        steps = self.num_samples // self.global_batch
         per_lane = self.global_batch // self.lanes
         lanes = sequence[: steps * self.global_batch].reshape(self.lanes, steps, per_lane)
-        order = lanes.transpose(1, 0, 2).reshape(-1)  # step s: every lane's s-th run of per_lane samples
-        self._last = (epoch, order)
-        return order
+        return lanes.transpose(1, 0, 2).reshape(-1)  # step s: every lane's s-th run of per_lane samples
 
 
 def eval_indices(num_samples: int, micro_batch: int, batches: int, dp_rank: int, dp_size: int) -> list[list[int]]:

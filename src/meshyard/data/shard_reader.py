@@ -1,8 +1,9 @@
 """Reading a sharded corpus (``meshyard.data.shards``) through a bounded local cache.
 
 ``ShardedTokens`` stands where a token array stands (``TokenWindows`` slices and gathers
-it), so the sampler and the order of samples are the same as for any other source: a
-function of the seed and the global batch. A rank fetches only the shards its windows
+it). Its samples are read in spans of shards (``meshyard.data.sampling.SpanOrder``, still a
+function of the seed and the global batch, never of the world size), or shuffled over the
+whole corpus as any other source; either way a rank fetches only the shards its windows
 fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at most
 ``cache_bytes`` of them, evicting the least recently used; ``prefetch`` fetches shards on
 background threads, so that a later read finds them there: the loader's sampler names the

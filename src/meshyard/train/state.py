@@ -72,7 +72,8 @@ class ScalerState:
 class DataPosition:
     """Where the sample stream stands. It is indexed by global step, so the position is
     valid for any world size: no sample is skipped or repeated after a resume on
-    another layout, as long as the global batch is the same. The stretches of the stream
+    another layout, as long as the global batch and what decides the order of samples
+    (``GlobalBatchSampler.order_description``) are the same. The stretches of the stream
     the spike and NaN guard skipped travel with it, so a resumed run skips them too."""
 
     def __init__(self, data: DataBundle, batch: BatchPlan, progress: TrainProgress) -> None:
@@ -85,7 +86,8 @@ class DataPosition:
         sampler = self.data.sampler
         return {"step": step, "global_batch": self.batch.global_batch,
                 "samples_consumed": sampler.stream_step(step + 1) * self.batch.global_batch,
-                "skipped_steps": [list(stretch) for stretch in sampler.skipped]}
+                "skipped_steps": [list(stretch) for stretch in sampler.skipped],
+                "order": sampler.order_description}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved_batch = state["global_batch"]
@@ -94,6 +96,15 @@ class DataPosition:
                 f"the checkpoint was trained with train.global_batch = {saved_batch}, this run uses "
                 f"{self.batch.global_batch}; keep the global batch when resuming (the world size and "
                 "micro-batch may change)"
+            )
+        # Checkpoints written before the order was recorded shuffled over all samples.
+        saved_order, order = state.get("order", "shuffled over all samples"), self.data.sampler.order_description
+        if saved_order != order:
+            raise ValueError(
+                f"the checkpoint's samples came in another order ({saved_order}) than this run's ({order}): resumed, "
+                "some samples would be trained on twice and others never. Resume with the data settings that "
+                "wrote it (for token shards, data.shuffle_span_shards and data.shuffle_lanes; 0 span shards is "
+                "the shuffle over all samples), or start a new run"
             )
         self.data.sampler.skipped = [(int(first), int(end)) for first, end in state.get("skipped_steps", [])]
         self.data.seek(state["step"])
