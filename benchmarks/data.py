@@ -170,15 +170,17 @@ def throttle(store: ShardStore, megabytes_per_s: float) -> None:
     store.read = limited
 
 
-def record_names(store: ShardStore) -> set[str]:
-    """The names of the files ``store`` reads from now on."""
-    read, names = store.read, set()
+def record_names(store: ShardStore) -> tuple[set[str], list[float]]:
+    """The names of the files ``store`` reads from now on, and when (unix s) each read ended."""
+    read, names, ends = store.read, set(), []
 
     def recorded(name: str) -> bytes:
         names.add(name)
-        return read(name)
+        data = read(name)
+        ends.append(time.time())
+        return data
     store.read = recorded
-    return names
+    return names, ends
 
 
 def share_of(trainer: Any, tokens: ShardedTokens, steps: int) -> list[int]:
@@ -206,7 +208,7 @@ def rank_main(rank: int, world_size: int, folder: str, argv: list[str], mode: st
         cache = tokens.cache
         if bandwidth:
             throttle(cache.store, bandwidth)
-        downloaded = record_names(cache.store)
+        downloaded, fetch_ends = record_names(cache.store)
         share = share_of(trainer, tokens, steps + 2)
         figures = {"share_shards": len(share), "share_bytes": sum(tokens.shards[k].tokens for k in share)
                    * tokens.dtype.itemsize}
@@ -222,7 +224,7 @@ def rank_main(rank: int, world_size: int, folder: str, argv: list[str], mode: st
     finally:
         trainer.close()
     if isinstance(tokens, ShardedTokens):
-        figures.update(fetched_bytes=tokens.cache.fetched_bytes, fetches=tokens.cache.fetches,
+        figures.update(fetched_bytes=tokens.cache.fetched_bytes, fetches=tokens.cache.fetches, fetch_ends=fetch_ends,
                        outside_share=sorted(downloaded - names))
     Path(folder, f"{mode}-rank{rank}.json").write_text(json.dumps(figures))
     dist.barrier()
@@ -234,7 +236,11 @@ def run_mode(args: argparse.Namespace, mode: str, argv: list[str], work: Path) -
         mp.spawn(rank_main, args=(args.nproc, folder, argv, mode, args.steps, args.bandwidth_mbps),
                  nprocs=args.nproc, join=True)
         ranks = [json.loads(Path(folder, f"{mode}-rank{r}.json").read_text()) for r in range(args.nproc)]
-    records = read_metrics(Path(meshyard.load_config(None, argv).run.run_dir))[args.warmup:]
+    every = read_metrics(Path(meshyard.load_config(None, argv).run.run_dir))
+    records, measured_from = every[args.warmup:], every[args.warmup - 1]["time"] if args.warmup else 0.0
+    for rank in ranks:  # fetches that ended during the measured steps (the cold cache's steady state)
+        rank["measured_fetches"] = sum(end > measured_from for end in rank.pop("fetch_ends", []))
+        rank["measured_steps"] = len(records)
     return {"step_s": statistics.median(r["step_time_s"] for r in records),
             "data_s": statistics.median(r["data_s"] for r in records), "ranks": ranks}
 
@@ -284,7 +290,8 @@ def print_summary(args: argparse.Namespace, summary: dict[str, Any], loopback: f
     for mode in ("cold", "warm"):
         for rank, figures in enumerate(summary[mode]["ranks"]):
             print(f"{mode} cache, rank {rank}: downloaded {figures['fetched_bytes'] / 1e6:6.2f} MB in {figures['fetches']}"
-                  f" fetches ({figures['fetches'] / args.steps:.2f} per step); its share {figures['share_bytes'] / 1e6:6.2f} MB ({figures['share_shards']} shards); "
+                  f" fetches, {figures['measured_fetches']} of them in the {figures['measured_steps']} measured steps "
+                  f"({figures['measured_fetches'] / max(1, figures['measured_steps']):.2f} per step); its share {figures['share_bytes'] / 1e6:6.2f} MB ({figures['share_shards']} shards); "
                   f"{figures['fetched_bytes'] / summary['corpus_bytes']:.2f} of the corpus")
 
 
