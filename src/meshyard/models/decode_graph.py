@@ -70,7 +70,7 @@ class DecodeGraph:
         self.tokens.index_copy_(0, device_slots, tokens)
         self.steps += 1
         if self._graph is not None:
-            self._graph.replay()
+            self._graph.replay()  # on its device's current stream, whichever device this thread has
             logits = self._logits
         elif self.captures and self.steps > EAGER_STEPS:
             logits = self._capture()

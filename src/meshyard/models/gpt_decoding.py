@@ -16,9 +16,10 @@ It serves only the steps it computes exactly as the modules would: the model in 
 a model whose layers were replaced (int8 linears), wrapped (hooks on them, as tensor
 parallelism and FSDP add) or sharded (DTensor parameters): it keeps the module path. Hooks on
 the model itself run around the decoder's step as around the modules' (a benchmark's timing
-hooks, say) and keep it. The decoder holds the parameters themselves, so what changes them in place (training, ``load_state_dict``) reaches
-it; ``GPT.init_kv_cache`` makes a new one, so a model changed otherwise (layers replaced,
-moved to another device) decodes as it now is with the next cache it makes.
+hooks, say) and keep it. The decoder holds the parameters themselves, so what changes them in
+place (training, ``load_state_dict``) reaches it; ``GPT.init_kv_cache`` makes a new one, so a
+model changed otherwise (layers replaced, moved to another device) decodes as it now is with
+the next cache it makes.
 """
 
 from __future__ import annotations
