@@ -11,30 +11,43 @@ import torch
 
 from meshyard.inference.loading import describe, load_engine
 from meshyard.inference.sampling import Sampling
+from meshyard.models.decode_graph import EAGER_STEPS
 from meshyard.serve.continuous import ContinuousBatcher
 from tests.serve.servers import running_servers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_torch_thread")]
 
 
+def continuous_tokens(engine, prompt: list[int], max_new_tokens: int):
+    """``prompt``'s greedy tokens through a continuous batcher of two slots, and its cache."""
+    async def generate():
+        with ThreadPoolExecutor(1) as executor:
+            batcher = ContinuousBatcher(engine, max_batch_size=2, max_queue=4, executor=executor)
+            tokens = await batcher.submit((prompt, Sampling(max_new_tokens=max_new_tokens)), deadline=1e12)
+            cache = batcher._cache
+            await batcher.close()
+            return tokens, cache
+    return asyncio.run(generate())
+
+
 def test_a_checkpoint_on_cuda_keeps_weights_cache_and_tokens_on_the_device(trained_run):
+    # More steps than a cache decodes eagerly: the batcher's long-lived cache captures its step.
+    steps = EAGER_STEPS + 16
     engine = load_engine(describe(str(trained_run)), device="cuda", dtype="auto")
     assert {p.device.type for p in engine.module.parameters()} == {"cuda"}
     expected_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     assert {p.dtype for p in engine.module.parameters()} == {expected_dtype}
-
-    async def generate() -> tuple[list[int], ContinuousBatcher]:
-        with ThreadPoolExecutor(1) as executor:
-            batcher = ContinuousBatcher(engine, max_batch_size=2, max_queue=4, executor=executor)
-            tokens = await batcher.submit(([72, 105], Sampling(max_new_tokens=8)), deadline=1e12)
-            cache = batcher._cache
-            await batcher.close()
-            return tokens, cache
-
-    tokens, cache = asyncio.run(generate())
-    assert len(tokens) == 8
+    tokens, cache = continuous_tokens(engine, [72, 105], steps)
+    assert len(tokens) == steps
     assert cache.device.type == "cuda" and cache.keys[0].dtype == expected_dtype
-    assert tokens == engine.generate([[72, 105]], [Sampling(max_new_tokens=8)])[0]
+    assert cache.step_graph is not None and cache.step_graph._graph is not None
+    # Token for token against a one-row generation (its own cache, the grouped step) in fp32:
+    # in bf16 the two-slot and one-row matrix products round differently, and a near tie
+    # between two tokens may go either way.
+    fp32 = load_engine(describe(str(trained_run)), device="cuda", dtype="fp32")
+    tokens, cache = continuous_tokens(fp32, [72, 105], steps)
+    assert cache.step_graph._graph is not None
+    assert tokens == fp32.generate([[72, 105]], [Sampling(max_new_tokens=steps)])[0]
 
 
 def test_a_cuda_server_answers_completions(tmp_path, trained_run):
@@ -47,16 +60,19 @@ def test_a_cuda_server_answers_completions(tmp_path, trained_run):
         assert reply.json()["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("every_slot_steps", [True, False], ids=["every-slot", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decoding_steps_on_cuda_over_rows_of_different_lengths_match_the_full_forward(dtype):
-    # Rows of different lengths attend through a mask; over 40 steps its span crosses every
-    # alignment, which CUDA's memory-efficient attention needs from the mask's start.
+def test_decoding_steps_on_cuda_over_rows_of_different_lengths_match_the_full_forward(dtype, every_slot_steps):
+    # Grouped: rows of different lengths attend through a mask; over 40 steps its span crosses
+    # every alignment, which CUDA's memory-efficient attention needs from the mask's start.
+    # Every slot: the step is captured after EAGER_STEPS steps, and the replays are checked.
     from meshyard.models.gpt import GPT, GPTShape
 
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(GPTShape(vocab_size=64, context_length=96, n_layer=2, n_head=2, d_model=64)).to(dtype).eval()
     cache = model.init_kv_cache(4, 96)
+    cache.every_slot_steps = every_slot_steps
     sequences = [torch.randint(0, 64, (length,)).tolist() for length in (3, 11, 5, 8)]
     with torch.inference_mode():
         for slot, sequence in enumerate(sequences):
@@ -69,6 +85,7 @@ def test_decoding_steps_on_cuda_over_rows_of_different_lengths_match_the_full_fo
                 error = (logits[row] - full).abs().max() / full.abs().max()
                 assert error < (3e-2 if dtype == torch.bfloat16 else 1e-4), error
                 sequence.append(int(torch.argmax(full)))
+    assert (cache.step_graph is not None and cache.step_graph._graph is not None) == every_slot_steps
 
 
 def test_the_cuda_graph_step_matches_the_grouped_step_and_is_captured_once():

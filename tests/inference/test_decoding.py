@@ -96,3 +96,21 @@ def test_on_step_sees_every_token_as_drawn_and_stops_the_rows_it_names(engine, c
     # Row 2 stops after its fourth token (its reader left): it draws no more, the others go on.
     assert generate(stop_row_2_at_four) == [whole[0], whole[1], whole[2][:4]]
     assert drawn == [6, 3, 4]
+
+
+def test_a_cache_made_for_one_call_decodes_without_the_every_slot_step(engine, monkeypatch):
+    # The every-slot step (a GPU cache's default, forced here) pays off only through a CUDA
+    # graph captured after a cache's first steps: a cache for one call keeps the grouped step.
+    made = []
+    init_kv_cache = engine.module.init_kv_cache
+
+    def every_slot_cache(*args, **kwargs):
+        cache = init_kv_cache(*args, **kwargs)
+        cache.every_slot_steps = True
+        made.append(cache)
+        return cache
+    monkeypatch.setattr(engine.module, "init_kv_cache", every_slot_cache)
+    prompts, sampling = prompts_of([3, 9]), [Sampling(max_new_tokens=12), Sampling(max_new_tokens=4)]
+    cached = generate_with_cache(engine.module, prompts, sampling, CONTEXT, VOCAB)
+    assert cached == recomputed(engine, prompts, sampling)
+    assert [cache.step_graph for cache in made] == [None] and not made[0].every_slot_steps

@@ -126,3 +126,21 @@ def test_a_step_over_every_slot_in_fixed_shapes_equals_the_grouped_step():
         logits = model(torch.tensor([[prompts[s][-1]] for s in slots]), cache=cache, slots=slots)[:, -1]
         for row, slot in enumerate(slots):
             assert_close(logits[row], model(torch.tensor([prompts[slot]]))[0, -1])
+
+
+def test_hooks_on_the_model_itself_keep_the_decoder_and_run_around_each_step():
+    # A benchmark times each forward from hooks on the model: its decoding steps must still
+    # be the fast ones, and the hooks must see them.
+    model = make_model()
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    model.register_forward_hook(lambda module, args, kwargs, output: seen.append(tuple(output.shape)),
+                                with_kwargs=True)
+    model.init_kv_cache(1)
+    assert model._decoder is not None
+    decoded = decode(model, {0: [1, 2, 3]}, [0], 2)
+    assert seen == ["pre", (1, 2, VOCAB), "pre", (1, 1, VOCAB), "pre", (1, 1, VOCAB)]  # prefill, 2 steps
+    assert_close(decoded[-1][0], make_model()(torch.tensor([[1, 2, 3, int(decoded[0][0].argmax())]]))[0, -1])
+    model.blocks[0].register_forward_pre_hook(lambda module, args: None)  # below the model: not known
+    model.init_kv_cache(1)
+    assert model._decoder is None

@@ -99,6 +99,13 @@ def generate_with_cache(module: nn.Module, prompts: list[list[int]], sampling: l
     generators = [generator_for(settings) for settings in sampling]
     with torch.inference_mode():
         cache = module.init_kv_cache(len(rows), longest, device=device_of(module))
+        # A cache for one call decodes through the grouped step, not the every-slot one. The
+        # every-slot step pays off only replayed from a CUDA graph, captured after a cache's
+        # first steps (models/decode_graph.py): a capture per call would cost several steps'
+        # time for a few replays, and eagerly the every-slot step only adds work (it computes
+        # finished rows too and reads each slot to the cache's end, where the grouped step
+        # reads the rows' spans). Long-lived caches (the continuous scheduler's) keep it.
+        cache.every_slot_steps = False
         slot_of = {row: slot for slot, row in enumerate(rows)}
         logits = _prefill_by_length(module, cache, slot_of, prompts, rows)
         while True:

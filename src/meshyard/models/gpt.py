@@ -209,7 +209,7 @@ class GPT(nn.Module):
         slot_ids = torch.as_tensor(range(cache.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
         positions, stepped = cache.begin_every_slot(slot_ids)
         if not isinstance(cache.step_graph, DecodeGraph):
-            decoder = self._decoder
-            cache.step_graph = DecodeGraph(lambda *inputs: decoder.every_slot(*inputs, cache), cache)
+            # The decoder's own method, which holds its weights but not the cache (see DecodeGraph).
+            cache.step_graph = DecodeGraph(self._decoder.every_slot, cache)
         logits = cache.step_graph(tokens[:, 0], slot_ids, positions, stepped)
         return logits.view(tokens.shape[0], 1, -1)

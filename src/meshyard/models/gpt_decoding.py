@@ -13,11 +13,13 @@ layer made once per step (positions, index tensors) or once for the steps over t
 
 It serves only the steps it computes exactly as the modules would: the model in eval mode
 (no dropout) and built of the plain layers ``GPT`` makes. ``GPTDecoder.of`` returns None for
-a model whose layers were replaced (int8 linears), wrapped (hooks of tensor parallelism or
-FSDP) or sharded (DTensor parameters): it keeps the module path. The decoder holds the
-parameters themselves, so what changes them in place (training, ``load_state_dict``) reaches
-it; ``GPT.init_kv_cache`` makes a new one, so a model changed otherwise (layers replaced,
-moved to another device) decodes as it now is with the next cache it makes.
+a model whose layers were replaced (int8 linears), wrapped (hooks on them, as tensor
+parallelism and FSDP add) or sharded (DTensor parameters): it keeps the module path. Hooks on
+the model itself run around the decoder's step as around the modules' (a benchmark's timing
+hooks, say) and keep it. The decoder holds the parameters themselves, so what changes them in
+place (training, ``load_state_dict``) reaches it; ``GPT.init_kv_cache`` makes a new one, so a
+model changed otherwise (layers replaced, moved to another device) decodes as it now is with
+the next cache it makes.
 """
 
 from __future__ import annotations
@@ -69,12 +71,13 @@ def _linear(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _is_plain(model: nn.Module, model_parts: tuple[type[nn.Module], ...]) -> bool:
     """Whether every module of ``model`` is one of ``model_parts`` (the GPT's own classes,
-    exactly) or a plain torch layer, none with hooks, and every parameter a plain one (not a
-    DTensor shard)."""
+    exactly) or a plain torch layer, none below ``model`` with hooks, and every parameter a
+    plain one (not a DTensor shard). Hooks on ``model`` itself do not count: the decoder runs
+    inside its forward, so they run around each step as they would around the modules' one."""
     for module in model.modules():
         if type(module) not in model_parts and type(module) not in _PLAIN_LAYERS:
             return False
-        if module._forward_hooks or module._forward_pre_hooks:
+        if module is not model and (module._forward_hooks or module._forward_pre_hooks):
             return False
     return all(type(parameter) is nn.Parameter for parameter in model.parameters())
 

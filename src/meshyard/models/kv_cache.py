@@ -147,13 +147,24 @@ def last_columns(wide: torch.Tensor, span: int, *, align: bool | None = None) ->
 @dataclass(frozen=True)
 class _DecodePlan:
     """The last decoding step: its rows' slots (a list, and on the CPU), ends (on the CPU),
-    longest end, and its step."""
+    longest end, and its step's parts. Not the step itself: that refers to the cache, which
+    holds this plan, and the cycle would keep the cache's memory until a garbage-collector pass."""
 
     slot_list: list[int]
     slot_ids: torch.Tensor
     ends: torch.Tensor
     longest: int
-    step: CacheStep
+    slots: torch.Tensor
+    positions: torch.Tensor
+    groups: tuple[SlotGroup, ...]
+    order: torch.Tensor | None
+    target_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, slot_list: list[int], slot_ids: torch.Tensor, ends: torch.Tensor, longest: int,
+           step: CacheStep) -> _DecodePlan:
+        return cls(slot_list, slot_ids, ends, longest, step.slots, step.positions, step.groups, step.order,
+                   step.targets[0])
 
 
 def group_slots(slots: torch.Tensor, ends: torch.Tensor, row_elements: int) -> list[tuple[int, int]]:
@@ -268,7 +279,7 @@ class KVCache:
         if n_new == 1 and plan is not None and self._continues(plan, slots, positions):
             # Checked by the step that made the plan; each row is one position further on.
             slot_list, slot_ids, ends, longest = plan.slot_list, plan.slot_ids, plan.ends + 1, plan.longest + 1
-            step = self._advance(plan.step)
+            step = self._advance(plan)
         else:
             slot_ids = torch.as_tensor(range(self.batch_slots) if slots is None else slots, dtype=torch.long).cpu()
             starts = self.lengths[slot_ids] if positions is None else torch.as_tensor(positions, dtype=torch.long).cpu()
@@ -279,7 +290,7 @@ class KVCache:
         self.lengths.index_copy_(0, slot_ids, ends)
         # A decoding step is planned once: the next step over the same slots, each one token on,
         # keeps its groups and order (see _advance).
-        self._plan = _DecodePlan(slot_list, slot_ids, ends, longest, step) if n_new == 1 and not step.fresh else None
+        self._plan = _DecodePlan.of(slot_list, slot_ids, ends, longest, step) if n_new == 1 and not step.fresh else None
         return step
 
     def begin_every_slot(self, slots: SlotIndex) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,20 +349,20 @@ class KVCache:
         order = None if in_order else torch.argsort(by_slot).to(self.device)
         return CacheStep(self, device_slots, token_positions, False, tuple(groups), order, targets)
 
-    def _advance(self, step: CacheStep) -> CacheStep:
-        """The decoding step after ``step``, over the same slots, each row one token further on.
-        Its plan is ``step``'s with every span one longer: a split's cost (``group_slots``) grows
+    def _advance(self, plan: _DecodePlan) -> CacheStep:
+        """The decoding step after ``plan``'s, over the same slots, each row one token further on.
+        Its groups are the plan's with every span one longer: a split's cost (``group_slots``) grows
         by the same one position per row whatever the split, so the cheapest split stays the
         cheapest, and rows of equal length stay equal. A group's mask is one column wider: each
         row and the span grow together, so the masked positions past a row's end are as many as
         before and the mask, aligned on its last column, is the same (``aligned_mask``'s last columns).
         Only the positions are a new tensor."""
-        positions = step.positions + 1
+        positions = plan.positions + 1
         groups = tuple(SlotGroup(group.rows, group.slots, group.span + 1,
                                  None if group.aligned_mask is None
                                  else last_columns(group.aligned_mask, group.span + 1), group.aligned_mask)
-                       for group in step.groups)
-        return CacheStep(self, step.slots, positions, False, groups, step.order, (step.targets[0], positions))
+                       for group in plan.groups)
+        return CacheStep(self, plan.slots, positions, False, groups, plan.order, (plan.target_slots, positions))
 
     def _mask(self, span: int, positions: torch.Tensor, rows: slice | torch.Tensor, width: int) -> torch.Tensor:
         """[rows, 1, T, width], to add to attention scores over ``span`` positions aligned on the
