@@ -3,6 +3,7 @@ none twice and none lost, through slow, failing and corrupted fetches and a smal
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -238,3 +239,30 @@ def test_a_cache_too_small_for_the_lanes_is_named_at_start_and_one_holding_the_c
     tokens = open_shards(data_config(tmp_path, corpus).url, corpus[1], tmp_path, 48 * SHARD_TOKENS)
     assert cache_warning(tokens, data_config(tmp_path, corpus), lanes=64) == ""  # 48 shards: the whole corpus
     tokens.close()
+
+
+def test_loader_workers_read_the_shards_their_rank_fetches_and_nothing_is_downloaded_twice(tmp_path, corpus):
+    """With 2 loader workers the rank's look-ahead fetches (each micro-batch's shards named
+    as it is handed out), and the workers read those files: every shard read is downloaded
+    once, by the rank, and the batches are the ones read without workers."""
+    log = tmp_path / "fetches.txt"
+
+    def logged(cache: ShardCache) -> None:  # before the workers fork: they inherit it
+        read = cache.store.read
+
+        def recorded(name: str) -> bytes:
+            with log.open("a") as out:
+                out.write(f"{os.getpid()} {name}\n")
+            return read(name)
+        cache.store.read = recorded
+
+    steps = 6
+    plain, _ = batches(data_config(tmp_path / "plain", corpus), steps)
+    log.unlink(missing_ok=True)
+    workers, bundle = batches(data_config(tmp_path / "workers", corpus, "--data.num_workers=2"), steps, patch=logged)
+    assert windows(workers) == windows(plain)
+    fetched = [line.split() for line in log.read_text().splitlines()]
+    assert fetched and {pid for pid, _ in fetched} == {str(os.getpid())}  # the rank fetched, no worker did
+    names = [name for _, name in fetched]
+    assert len(names) == len(set(names))
+    bundle.close()

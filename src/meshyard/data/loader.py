@@ -172,7 +172,7 @@ def build_data(
     generator = torch.Generator().manual_seed(seed + dp_rank)
     if isinstance(train, TokenWindows):
         extra["collate_fn"] = collate_batch
-        if hasattr(train.tokens, "prefetch") and not cfg.num_workers:  # workers keep caches of their own
+        if hasattr(train.tokens, "prefetch"):  # loader workers read what the rank fetches ahead
             sampler.look_ahead = train.fetch_ahead
     loader = DataLoader(train, batch_sampler=sampler, num_workers=cfg.num_workers, generator=generator,
                         pin_memory=pins_memory(device), **extra)

@@ -66,8 +66,8 @@ class GlobalBatchSampler:
         self.start_step = 0  # where a new iterator begins (set by a resume)
         self.micro_per_step = global_batch // (micro_batch * dp_size)
         self.skipped: list[tuple[int, int]] = []  # stream steps [first, end) never trained on, sorted
-        # Told the micro-batches that follow each one taken (a source that fetches ahead of
-        # need, such as token shards on object storage); None: nobody asks.
+        # Told each micro-batch taken and those that follow it (a source that fetches ahead
+        # of need, such as token shards on object storage); None: nobody asks.
         self.look_ahead: Callable[[list[list[int]]], None] | None = None
         self.look_ahead_batches = 2 * self.micro_per_step  # two steps ahead
 
@@ -148,8 +148,8 @@ class SamplerIterator:
 
     def __next__(self) -> list[int]:
         batch = self._advance()
-        if self.sampler.look_ahead is not None:
-            self.sampler.look_ahead(self.upcoming(self.sampler.look_ahead_batches))
+        if self.sampler.look_ahead is not None:  # this batch too: a loader worker may read it before the rank
+            self.sampler.look_ahead([batch, *self.upcoming(self.sampler.look_ahead_batches)])
         return batch
 
     def upcoming(self, count: int) -> list[list[int]]:

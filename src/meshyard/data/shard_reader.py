@@ -4,17 +4,22 @@
 it). Its samples are read in spans of shards (``meshyard.data.sampling.SpanOrder``, still a
 function of the seed and the global batch, never of the world size), or shuffled over the
 whole corpus as any other source; either way a rank fetches only the shards its windows
-fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at most
-``cache_bytes`` of them, evicting the least recently used; ``prefetch`` fetches shards on
-background threads, so that a later read finds them there: the loader's sampler names the
-next two steps' micro-batches after each one it hands out (``GlobalBatchSampler.look_ahead``),
-so their shards download while the current step trains (with ``data.num_workers = 0``;
-a loader worker starts a cache of its own, in a folder inside its rank's, at its first read,
-and fetches when it reads). Fetches ahead of need run on threads of their own, so a read
-waits only for its own shards; one of them still queued ahead is taken out of that queue.
-A read that must wait for a fetch waits inside the loader, which the step breakdown
-counts as its data phase. The cache's folder lives as long as the cache
-(``meshyard.data.reader_folders``).
+fall in. ``ShardCache`` keeps fetched shards as files under a local folder, at most ``cache_bytes``
+of them, evicting the least recently used (a shard read or named ahead counts as used);
+``prefetch`` fetches shards on background threads, so that a later read finds them there:
+the loader's sampler names each micro-batch it hands out and the next two steps' ones
+(``GlobalBatchSampler.look_ahead``), so their shards download while the current step
+trains. Fetches ahead of need run on threads of their own, so a read waits only for its own
+shards; one of them still queued ahead is taken out of that queue. A read that must wait
+for a fetch waits inside the loader, which the step breakdown counts as its data phase. The
+cache's folder lives as long as the cache (``meshyard.data.reader_folders``).
+
+Loader workers (``data.num_workers > 0``) read what their rank fetches: the sampler runs in
+the rank's process, so its look-ahead fills the rank's folder, and a worker reads a shard
+from there, waiting while the rank's fetch of it is under way (a ``.name.pending`` file
+marks one). A worker fetches a shard itself, into a cache of its own inside the rank's
+folder, only when the rank neither holds nor fetches it (evicted meanwhile, say); so a
+rank downloads its share once, whatever the number of its workers.
 
 A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
 whose digest does not match the index is fetched once more, then refused.
@@ -43,6 +48,8 @@ FIRST_PAUSE_S = 0.05
 """Pause before the second try; each later one doubles it."""
 FETCH_THREADS = 2
 """Downloads at once for reads waiting now, and as many again for shards fetched ahead of need."""
+PENDING_POLL_S = 0.002
+"""How often a loader worker looks again for a shard its rank is fetching."""
 
 
 class ShardCache:
@@ -69,15 +76,19 @@ class ShardCache:
         self._ahead = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="meshyard-shards-ahead")
         self._now = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="meshyard-shards-now")
         self._remove = weakref.finalize(self, remove_folder, folder, self._owner)
+        self.rank_folder: Path | None = None  # in a loader worker: its rank's cache folder
         self.fetches = 0  # downloads done, retries included: what tests and stall reports count
         self.fetched_bytes = 0  # bytes those downloads brought
 
     def _here(self) -> None:
         """Start a cache of this process's own when it is not the one that made this one: a
         loader worker forked (or unpickled) from its rank inherits the rank's bookkeeping,
-        but none of its threads, and must not delete files the rank reads."""
+        but none of its threads, and must not delete files the rank reads. It reads the
+        rank's files where it can (``_from_rank``)."""
         if self._owner != os.getpid():
-            self._start_in_this_process(new_reader_folder(self.folder))
+            rank_folder = self.folder
+            self._start_in_this_process(new_reader_folder(rank_folder))
+            self.rank_folder = rank_folder
 
     def close(self) -> None:
         """Wait for fetches under way, then remove the cache's folder and what it holds."""
@@ -90,12 +101,18 @@ class ShardCache:
         """Start fetching ``entries`` not yet here, in the background; ``now``: a read waits
         for them (see ``_future``)."""
         self._here()
+        if self.rank_folder is not None:
+            return  # a loader worker reads what its rank fetches, one shard at a time (``get``)
         for entry in entries:
             self._future(entry, now)
 
     def get(self, entry: ShardEntry) -> np.ndarray:
         """The shard's tokens, fetched first when they are not here (waiting for a prefetch under way)."""
         self._here()
+        if self.rank_folder is not None:
+            tokens = self._from_rank(entry)
+            if tokens is not None:
+                return tokens
         while True:
             try:
                 self._future(entry, now=True).result()
@@ -106,6 +123,23 @@ class ShardCache:
                     self._resident.move_to_end(entry.name)
                     # Read into memory now: an eviction by a later fetch may delete the file.
                     return np.fromfile(self.folder / entry.name, dtype=self.index.element)
+
+    def _from_rank(self, entry: ShardEntry) -> np.ndarray | None:
+        """In a loader worker: the shard from the rank's folder, waiting while the rank fetches
+        it; None when the rank neither holds nor fetches it."""
+        assert self.rank_folder is not None
+        path, pending = self.rank_folder / entry.name, self.rank_folder / pending_name(entry.name)
+        while True:
+            try:
+                return np.fromfile(path, dtype=self.index.element)  # written whole, checked, renamed into place
+            except FileNotFoundError:
+                if not pending.exists():
+                    break
+            time.sleep(PENDING_POLL_S)
+        try:  # the fetch may have ended between the two looks
+            return np.fromfile(path, dtype=self.index.element)
+        except FileNotFoundError:
+            return None
 
     @property
     def capacity(self) -> int:
@@ -119,6 +153,7 @@ class ShardCache:
         there is taken out and fetched at once."""
         with self._lock:
             if entry.name in self._resident:
+                self._resident.move_to_end(entry.name)  # named for a read now or soon: keep it
                 done: Future = Future()
                 done.set_result(None)
                 return done
@@ -126,6 +161,8 @@ class ShardCache:
             if pending is not None and now and pending.cancel():
                 pending = None
             if pending is None:
+                if entry.name not in self._pending:  # loader workers wait for it (``_from_rank``)
+                    (self.folder / pending_name(entry.name)).touch()
                 pending = (self._now if now else self._ahead).submit(self._fetch, entry)
                 self._pending[entry.name] = pending
             return pending
@@ -148,6 +185,7 @@ class ShardCache:
         finally:
             with self._lock:
                 self._pending.pop(entry.name, None)
+                (self.folder / pending_name(entry.name)).unlink(missing_ok=True)
 
     def _download(self, entry: ShardEntry) -> bytes:
         for attempt in range(FETCH_ATTEMPTS):
@@ -183,6 +221,11 @@ class ShardCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._owner = -1  # no process's: the first read makes it this process's
+
+
+def pending_name(name: str) -> str:
+    """The file that marks a fetch of shard ``name`` under way in a cache's folder."""
+    return f".{name}.pending"
 
 
 class ShardedTokens:
