@@ -80,6 +80,24 @@ def test_commit_protocol_and_retention(one_rank, tmp_path, model_and_optimizer, 
     assert [o.step for o in manager.outcomes if o.name] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("where", ["local", "memory://copy-ahead"])
+def test_async_writes_of_host_staged_state_take_no_device_copy_ahead(one_rank, tmp_path, model_and_optimizer, where):
+    """An async save writes the staged host copy: DCP's serial loader (copy-ahead 0), not its
+    overlapping one, which synchronizes the CUDA stream from the writer thread. Blocking
+    saves keep DCP's default."""
+    manager = make_manager(str(tmp_path) if where == "local" else where, "--checkpoint.async_save=true")
+    writers = []
+    build = manager.store.dcp_writer
+    manager.store.dcp_writer = lambda *args, **kwargs: writers.append(build(*args, **kwargs)) or writers[-1]
+    save(manager, 1, *model_and_optimizer)
+    save(manager, 2, *model_and_optimizer, blocking=True)
+    manager.wait()
+    manager.close()
+    assert [o.step for o in manager.outcomes if o.name] == [1, 2]
+    assert writers[0].per_thread_copy_ahead == 0
+    assert writers[1].per_thread_copy_ahead > 0
+
+
 def test_half_written_checkpoint_is_never_valid(one_rank, tmp_path, model_and_optimizer):
     model, optimizer = model_and_optimizer
     manager = make_manager(str(tmp_path), "--checkpoint.async_save=false")

@@ -48,3 +48,49 @@ def test_staging_runs_off_the_calling_thread():
         assert set(future.result()) == {"model", "optim", "kind"}
     finally:
         stager.close()
+
+
+def test_on_cuda_the_stager_pins_every_buffer_down_to_one_byte(monkeypatch):
+    """Fused AdamW's per-parameter ``step`` is a 4-byte device tensor: torch's default
+    threshold (5 bytes) would leave its host buffer unpinned, and that copy synchronous."""
+    import meshyard.checkpoint.staging as staging
+
+    built: list[dict] = []
+
+    class RecordingStager:
+        def __init__(self, **options) -> None:
+            built.append(options)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(staging, "StateDictStager", RecordingStager)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())  # no GPU here: only the options matter
+    stager = HostStager(torch.device("cuda"))
+    stager.close()
+    assert stager.pins_memory
+    assert built == [{"pin_memory": True, "share_memory": False, "pin_memory_min_bytes": 1}]
+
+
+def test_torch_stager_with_these_options_pins_a_4_byte_storage_and_skips_empty_ones(monkeypatch):
+    """torch's own decision, with its pinning calls recorded instead of made (no GPU here)."""
+    import torch.distributed.checkpoint._state_dict_stager as torch_stager
+
+    pinned: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # read once, by the constructor
+    stager = torch_stager.StateDictStager(pin_memory=True, share_memory=False, pin_memory_min_bytes=1)
+    monkeypatch.setattr(torch_stager.pin_memory_utils, "pin_memory", lambda pointer, size: pinned.append(size))
+    monkeypatch.setattr(torch_stager.pin_memory_utils, "unpin_memory", lambda pointer: None)
+    stager.stage({"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 3), "empty": torch.zeros(0)})
+    assert sorted(pinned) == [4, 48]
+    stager.close()
+
+
+def test_warm_does_nothing_on_the_cpu():
+    stager = HostStager(torch.device("cpu"))
+    try:
+        assert not stager.pins_memory
+        stager.warm(_state())  # nothing to pin, so nothing staged
+        assert len(stager._stager._cached_storage_mapping) == 0
+    finally:
+        stager.close()

@@ -93,3 +93,29 @@ def test_state_round_trips_through_dcp_into_a_fresh_template(tmp_path, method):
     dcp.load(template, checkpoint_id=str(tmp_path))
     fresh.load_state_dict(template["comm.rank0"])
     assert same(fresh.state_dict(), saved)
+
+
+@pytest.mark.parametrize("method", ["topk", "powersgd"])
+def test_state_is_copied_into_the_same_tensors_save_after_save(method):
+    """An async save keeps one host buffer per saved storage: a state whose tensors were new
+    at every save would have its buffers allocated and pinned anew each time."""
+    def tensors(state) -> list[torch.Tensor]:
+        if isinstance(state, dict):
+            return [t for key in sorted(state) for t in tensors(state[key])]
+        return [state] if isinstance(state, torch.Tensor) else []
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model, compression = DistributedDataParallel(tiny_gpt()), build_compression(CommConfig(compression=method,
+                                                                                            warmup_steps=2))
+    compression.register(model)
+    for step in range(3):
+        loss_of(model, step, 0).backward()
+    first = tensors(compression.state_dict())
+    first_values = [t.clone() for t in first]
+    loss_of(model, 3, 0).backward()
+    second = tensors(compression.state_dict())
+    assert [t.untyped_storage().data_ptr() for t in second] == [t.untyped_storage().data_ptr() for t in first]
+    assert any(not torch.equal(old, new) for old, new in zip(first_values, second))  # refilled with the new state
+    taken = [t.clone() for t in second]
+    loss_of(model, 4, 0).backward()  # a copy, not the live state: the next step leaves it alone
+    assert all(torch.equal(old, new) for old, new in zip(taken, second))

@@ -49,3 +49,19 @@ def test_clip_grad_norm_reports_global_norm_and_clips():
     assert total.item() == pytest.approx(1.0, rel=1e-5)
     unclipped = clip_grad_norm(params, max_norm=0.0)
     assert unclipped.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_async_saves_record_the_wait_for_their_copy_on_the_step_after(make_config):
+    """The loop's cost of an async save is the save call plus the next step's wait for the
+    copy of the state; on the CPU that copy of a tiny model is done long before it is needed."""
+    import meshyard
+
+    cfg = make_config("--parallel.strategy=none", "--train.steps=5", "--checkpoint.enabled=true",
+                      "--checkpoint.interval=2", "--checkpoint.async_save=true", "--checkpoint.save_final=false")
+    records = meshyard.run(cfg, nproc=1).metrics()
+    after_save = [r for r in records if "checkpoint_stall_s" in r]
+    assert [r["step"] for r in after_save] == [3, 5]
+    for record in after_save:
+        assert 0.0 <= record["checkpoint_staging_wait_s"] < 0.5, record
+        assert 0.0 <= record["checkpoint_previous_wait_s"] <= record["checkpoint_stall_s"], record
+    assert not any("checkpoint_staging_wait_s" in r for r in records if "checkpoint_stall_s" not in r)

@@ -24,7 +24,8 @@ from torch import nn
 from meshyard.checkpoint.manager import (CheckpointManager, NullCheckpointManager, SaveOutcome, read_trainer_state,
                                          step_of)
 from meshyard.checkpoint.resume import ResumePoint, agree_resume_point
-from meshyard.checkpoint.state import SafeLoadPlanner, Stateful, load_tensor_state, tensor_state
+from meshyard.checkpoint.state import (SafeLoadPlanner, Stateful, load_tensor_state, new_rng_blob,
+                                       optimizer_holds_state, tensor_state)
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
 from meshyard.runtime.distributed import rank0_decides
@@ -56,6 +57,10 @@ class Checkpointer:
         self.rank = rank
         self.cfg = cfg
         self.saved_step = -1  # the step of the last save or load: no final save needed there
+        # Kept from save to save (and filled by loads), so an async save stages it into
+        # the same host buffer every time.
+        self._rng_blob = new_rng_blob()
+        self._staging_warmed = False  # the model's part, while the optimizer has no state yet
 
     # when to save (the manager's policy) ----------------------------------------------------
     @property
@@ -79,12 +84,28 @@ class Checkpointer:
     def poll(self) -> None:
         self.manager.poll()
 
-    def wait_staged(self) -> None:
-        """Until an async save has copied the state (before the optimizer changes it)."""
-        self.manager.wait_staged()
+    def wait_staged(self) -> float | None:
+        """Until an async save has copied the state (before the optimizer changes it);
+        returns the seconds waited, None when no copy was pending."""
+        return self.manager.wait_staged()
 
     def wait(self) -> None:
         self.manager.wait()
+
+    def warm_staging(self) -> bool:
+        """Where async saves stage into pinned host buffers (on CUDA), allocate and pin
+        them now, outside the training steps, by staging the state once; the first save
+        finds them ready. Returns whether that is done (always, where there is nothing to
+        pin). False while the optimizer has no state: before its first step there is none
+        to stage, and building it here would count an optimizer step. The model's part is
+        warmed then, and a call after an optimizer step warms the rest."""
+        if not self.manager.stages_to_pinned_memory:
+            return True
+        ready = optimizer_holds_state(self.state.optimizer, self.state.zero1)
+        if ready or not self._staging_warmed:
+            self.manager.warm_staging(self._tensor_state(with_optimizer=ready))
+            self._staging_warmed = True
+        return ready
 
     def last_committed(self) -> str | None:
         return self.manager.last_committed()
@@ -96,11 +117,18 @@ class Checkpointer:
     def save(self, step: int, facts: dict[str, Any], blocking: bool = False) -> None:
         """Checkpoint the bundle at ``step``; ``facts`` (eval loss, tokens seen, ...) go
         into the manifest."""
-        state = self.state
-        tensors = tensor_state(state.model, state.optimizer, self.rank, state.per_rank, state.zero1)
-        shared = {name: part.state_dict() for name, part in state.shared.items()}
+        # The previous save's copy must be taken before the buffers kept across saves (the
+        # RNG blob, compression state) are refilled; the trainer has normally waited already.
+        self.manager.wait_staged()
+        tensors = self._tensor_state()
+        shared = {name: part.state_dict() for name, part in self.state.shared.items()}
         self.manager.save(step, tensors, shared, facts, blocking=blocking)
         self.saved_step = step
+
+    def _tensor_state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        state = self.state
+        return tensor_state(state.model, state.optimizer, self.rank, state.per_rank, state.zero1, self._rng_blob,
+                            with_optimizer)
 
     def load(self, point: ResumePoint, parts: tuple[str, ...] | None = None) -> bool:
         """Fill the bundle from ``point``; returns whether this rank's RNG state was
@@ -112,9 +140,10 @@ class Checkpointer:
         location = store.path(point.name)
         shared = read_trainer_state(store, point.name)
         saved_keys = set(store.dcp_reader(location).read_metadata().state_dict_metadata)
+        self.manager.wait_staged()  # the load fills the buffers kept across saves
         restored_rng = load_tensor_state(
             lambda tensors: dcp.load(tensors, storage_reader=store.dcp_reader(location), planner=SafeLoadPlanner()),
-            state.model, state.optimizer, self.rank, saved_keys, state.per_rank, state.zero1,
+            state.model, state.optimizer, self.rank, saved_keys, state.per_rank, state.zero1, self._rng_blob,
         )
         for name, part in state.shared.items():
             if parts is not None and name not in parts:

@@ -176,9 +176,10 @@ class CheckpointManager:
         if refused is not None:
             self._fail(pending, refused, discard=not isinstance(refused, CheckpointConflict))
             return
-        writer = self.store.dcp_writer(staging, rank=self.rank)
+        in_background = self.cfg.async_save and not blocking
+        writer = self.store.dcp_writer(staging, rank=self.rank, host_staged=in_background)
         try:
-            if blocking or not self.cfg.async_save:
+            if not in_background:
                 dcp.save(tensor_state, storage_writer=writer)
             else:
                 response = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group,
@@ -196,15 +197,29 @@ class CheckpointManager:
         if pending.future is None:
             self._complete()
 
-    def wait_staged(self) -> None:
+    def wait_staged(self) -> float | None:
         """Block until the in-flight save has its copy of the state (call before anything
-        changes the state: the optimizer step). A staging failure is reported with the save."""
+        changes the state: the optimizer step); returns the seconds waited, None when no
+        copy was pending. A staging failure is reported with the save."""
         staging, self._staging = self._staging, None
-        if staging is not None:
-            try:
-                staging.result()
-            except (Exception, CheckpointException):
-                pass  # the write fails with it and _complete reports that
+        if staging is None:
+            return None
+        start = time.perf_counter()
+        try:
+            staging.result()
+        except (Exception, CheckpointException):
+            pass  # the write fails with it and _complete reports that
+        return time.perf_counter() - start
+
+    @property
+    def stages_to_pinned_memory(self) -> bool:
+        """Whether async saves copy the state into pinned host buffers (the state is on CUDA)."""
+        return self._stager is not None and self._stager.pins_memory
+
+    def warm_staging(self, tensor_state: dict[str, Any]) -> None:
+        """Allocate (and pin) the host buffers async saves stage ``tensor_state`` into."""
+        if self._stager is not None:
+            self._stager.warm(tensor_state)
 
     def close(self) -> None:
         """Let the background writer's thread go once its work is done (it is not waited for)."""
@@ -386,8 +401,13 @@ class NullCheckpointManager:
     def poll(self) -> None:
         pass
 
-    def wait_staged(self) -> None:
+    stages_to_pinned_memory = False
+
+    def warm_staging(self, tensor_state: dict[str, Any]) -> None:
         pass
+
+    def wait_staged(self) -> float | None:
+        return None
 
     def wait(self) -> None:
         pass

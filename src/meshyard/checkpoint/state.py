@@ -94,14 +94,23 @@ def _from_b64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def capture_rng() -> torch.Tensor:
-    """Python, NumPy, torch and CUDA generator states of this process as a byte tensor."""
+def new_rng_blob() -> torch.Tensor:
+    """An empty slot for ``capture_rng``."""
+    return torch.zeros(RNG_BLOB_BYTES, dtype=torch.uint8)
+
+
+def capture_rng(into: torch.Tensor | None = None) -> torch.Tensor:
+    """Python, NumPy, torch and CUDA generator states of this process as a byte tensor:
+    ``into`` (a ``new_rng_blob``), filled and returned, or a new blob. A blob kept from
+    one save to the next keeps its storage, and with it the host buffer an async save
+    stages it into (a new tensor per save would have its buffer allocated and pinned anew)."""
     payload = json.dumps(_rng_states()).encode()
     if len(payload) + 8 > RNG_BLOB_BYTES:
         raise ValueError(f"RNG state of {len(payload)} bytes exceeds the {RNG_BLOB_BYTES}-byte slot")
-    blob = torch.zeros(RNG_BLOB_BYTES, dtype=torch.uint8)
+    blob = new_rng_blob() if into is None else into
     blob[:8] = torch.frombuffer(bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8)
     blob[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    blob[8 + len(payload):] = 0
     return blob
 
 
@@ -147,17 +156,32 @@ class SafeLoadPlanner(SafeBytesMixin, DefaultLoadPlanner):
     """DCP's default load planner without unpickling of non-tensor entries."""
 
 
+def optimizer_holds_state(optimizer: torch.optim.Optimizer, zero1: bool = False) -> bool:
+    """Whether the optimizer has its state (a stateful one has none before its first step;
+    ``tensor_state`` then builds it by stepping the optimizer with a zero learning rate,
+    which counts a step)."""
+    inner = optimizer.optim if zero1 else optimizer  # ZeRO-1 keeps its state in an inner optimizer
+    return bool(inner.state)
+
+
 def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                 extra: dict[str, Stateful] | None = None, zero1: bool = False) -> dict[str, Any]:
+                 extra: dict[str, Stateful] | None = None, zero1: bool = False,
+                 rng_blob: torch.Tensor | None = None, with_optimizer: bool = True) -> dict[str, Any]:
     """The DCP state of this rank: model, optimizer, RNG, and any extra stateful objects
     (for example gradient-compression state), each under its own key. ``zero1``: the
     optimizer is a ``ZeroRedundancyOptimizer`` holding this rank's partition of the state
-    (``Layout.zero1``)."""
-    if zero1:
+    (``Layout.zero1``). ``rng_blob``: the tensor the RNG states go into (``capture_rng``).
+    Without ``with_optimizer`` the optimizer's entry is left out (and nothing builds it)."""
+    if not with_optimizer:
+        model_state, optim_state = get_model_state_dict(model), None
+    elif zero1:
         model_state, optim_state = get_model_state_dict(model), _zero_optimizer_state(model, optimizer)
     else:
         model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state, rng_key(rank): capture_rng()}
+    state: dict[str, Any] = {"model": model_state}
+    if optim_state is not None:
+        state["optim"] = optim_state
+    state[rng_key(rank)] = capture_rng(rng_blob)
     for name, obj in (extra or {}).items():
         state[f"{name}.rank{rank}"] = obj.state_dict()
     return state
@@ -166,11 +190,13 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
 def load_tensor_state(
     load: Any, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
     saved_keys: set[str], extra: dict[str, Stateful] | None = None, zero1: bool = False,
+    rng_blob: torch.Tensor | None = None,
 ) -> bool:
     """Fill ``model`` and ``optimizer`` from a checkpoint through ``load`` (a DCP load
     bound to the checkpoint). Returns True when this rank's RNG state was restored, which
-    happens only when the checkpoint was written with a rank of the same number."""
-    state = tensor_state(model, optimizer, rank, extra, zero1)
+    happens only when the checkpoint was written with a rank of the same number.
+    ``rng_blob``: the tensor the saved RNG states are read into (as in ``tensor_state``)."""
+    state = tensor_state(model, optimizer, rank, extra, zero1, rng_blob)
     own_keys = [k for k in state if k.startswith(("rng.", *(f"{n}." for n in (extra or {}))))]
     for key in own_keys:
         if not any(saved == key or saved.startswith(key + ".") for saved in saved_keys):

@@ -107,14 +107,20 @@ class CheckpointStore:
         return self.fs.open(path, mode)
 
     # DCP ---------------------------------------------------------------------------
-    def dcp_writer(self, path: str, rank: int | None = None) -> StorageWriter:
+    def dcp_writer(self, path: str, rank: int | None = None, host_staged: bool = False) -> StorageWriter:
         """A DCP writer into ``path``; with ``rank``, one that also records the checksums
-        of the files this rank wrote (see ``digests``)."""
+        of the files this rank wrote (see ``digests``). ``host_staged``: the state it
+        writes is already in host memory (an async save's staged copy)."""
         if rank is None:
             local, remote, extra = FileSystemWriter, FsspecWriter, {}
         else:
             local, remote = DigestingFileSystemWriter, DigestingFsspecWriter
             extra = {"store": self, "directory": path, "rank": rank}
+        if host_staged:
+            # Nothing to copy off a device: no copy-ahead, which takes DCP's serial loader.
+            # Its overlapping loader would synchronize the current CUDA stream every 10 MB
+            # from the writer thread, waiting on the training steps queued there.
+            extra["per_thread_copy_ahead"] = 0
         if self.is_local:
             return local(path, sync_files=True, **extra)
         return remote(self._url_for(path), sync_files=True, **extra, **self.options)

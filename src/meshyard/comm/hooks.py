@@ -43,6 +43,7 @@ class GradientCompression:
         self._params: dict[str, torch.nn.Parameter] = {}
         # Public so a measurement can count for another world size (see ByteCounter).
         self.counter = ByteCounter()
+        self._kept: dict[str, torch.Tensor] = {}  # the tensors state_dict returns, by key (see _kept_buffer)
 
     # -- wiring ---------------------------------------------------------------------
 
@@ -114,6 +115,22 @@ class GradientCompression:
         (zeros stand for state not built yet), so a fresh object's ``state_dict()`` is
         the template that ``torch.distributed.checkpoint`` loads into in place."""
         return {"method": self.method, "iteration": self.iteration}
+
+    def _kept_buffer(self, key: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat tensor of ``numel`` entries in ``like``'s dtype and device, the same one
+        under ``key`` from one ``state_dict`` to the next. Subclasses copy their state into
+        these rather than returning fresh copies: an async save stages each storage into a
+        host buffer it keeps for that storage, so a new storage per save would have its
+        buffer allocated and pinned again every time. A copy still, never the live state,
+        which the next step's hook changes while the save may still be copying it."""
+        kept = self._kept.get(key)
+        if kept is None or kept.numel() != numel or kept.dtype != like.dtype or kept.device != like.device:
+            kept = self._kept[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return kept
+
+    def _kept_copy(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """``value``, flattened, copied into the tensor kept under ``key``."""
+        return self._kept_buffer(key, value.numel(), value).copy_(value.detach().reshape(-1))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("method", self.method) != self.method:

@@ -112,13 +112,15 @@ class PowerSGDCompression(GradientCompression):
         self._pending["error"].update(self._split_error(names, error))
         self._pending["q"].update(self._split_q(names, q_memory))
 
+    # The pieces are views: of memory taken out of PyTorch's state (which no hook changes
+    # any more), or copied into kept tensors at once (state_dict).
     def _split_error(self, names: list[str], error: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if error is None:
             return {}
         pieces, offset = {}, 0
         for name in names:
             numel = self._shapes[name].numel()
-            pieces[name] = error[offset:offset + numel].clone()
+            pieces[name] = error[offset:offset + numel]
             offset += numel
         return pieces
 
@@ -127,7 +129,7 @@ class PowerSGDCompression(GradientCompression):
             return {}
         pieces, offset = {}, 0
         for name, _, m, r in self._factor_shapes(names):
-            pieces[name] = q_memory[offset:offset + m * r].clone()
+            pieces[name] = q_memory[offset:offset + m * r]
             offset += m * r
         return pieces
 
@@ -150,8 +152,7 @@ class PowerSGDCompression(GradientCompression):
             self.state.p_memory_dict[index] = like.new_empty(sum(n * r for _, n, _, r in factors))
 
     def state_dict(self) -> dict[str, Any]:
-        errors = {name: t.clone() for name, t in self._pending["error"].items()}
-        qs = {name: t.clone() for name, t in self._pending["q"].items()}
+        errors, qs = dict(self._pending["error"]), dict(self._pending["q"])
         for index, names in self._layouts.items():
             errors.update(self._split_error(names, self.state.error_dict.get(index)))
             qs.update(self._split_q(names, self.state.q_memory_dict.get(index)))
@@ -163,14 +164,17 @@ class PowerSGDCompression(GradientCompression):
         state = {
             **super().state_dict(),
             "q_valid": int(q_valid),
-            "q": {name: qs[name] if q_valid else self._params[name].detach().new_zeros(m * r)
+            # Copies into tensors kept from save to save (``_kept_buffer``).
+            "q": {name: self._kept_copy(f"q.{name}", qs[name]) if q_valid
+                  else self._kept_buffer(f"q.{name}", m * r, self._params[name]).zero_()
                   for name, _, m, r in factors},
-            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+            "rng": {"keys": self._kept_copy("rng.keys", torch.from_numpy(keys.astype("int64"))), "pos": int(pos),
                     "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         }
         if self.state.use_error_feedback:
-            state["error"] = {name: errors[name] if name in errors else param.detach().new_zeros(param.numel())
-                              for name, param in self._params.items()}  # pieces are copies already
+            state["error"] = {name: self._kept_copy(f"error.{name}", errors[name]) if name in errors
+                              else self._kept_buffer(f"error.{name}", param.numel(), param).zero_()
+                              for name, param in self._params.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

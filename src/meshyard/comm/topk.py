@@ -96,8 +96,8 @@ class TopKCompression(GradientCompression):
         if self.error_feedback:
             # Every parameter, zeros before its first compressed step: a fixed layout.
             state["residuals"] = {
-                name: self.residuals[name].clone() if name in self.residuals
-                else param.detach().new_zeros(param.numel())
+                name: self._kept_copy(f"residuals.{name}", self.residuals[name]) if name in self.residuals
+                else self._kept_buffer(f"residuals.{name}", param.numel(), param).zero_()
                 for name, param in self._params.items()
             }
         return state

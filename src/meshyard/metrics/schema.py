@@ -176,6 +176,13 @@ FIELDS: dict[str, Field] = {
     # checkpoints
     "checkpoint_stall_s": Field(NUMBER, False, "s", "time the previous step's save held training up (on the "
                                 "step after a save)", "train.trainer"),
+    "checkpoint_previous_wait_s": Field(NUMBER, False, "s", "the part of checkpoint_stall_s spent waiting for the "
+                                        "previous save, still writing, to finish (at most one save is in flight)",
+                                        "train.trainer"),
+    "checkpoint_staging_wait_s": Field(NUMBER, False, "s", "time this step waited, before its optimizer step, for an "
+                                       "async save's copy of the state to host memory (on the step after the save; "
+                                       "the loop's stall of an async save is this plus checkpoint_stall_s)",
+                                       "train.trainer"),
     "checkpoint_step": Field(COUNT, False, "step", "step of a save that finished since the last record",
                              "train.trainer"),
     "checkpoint_s": Field(NUMBER, False, "s", "that save's total time (in the background when async)",

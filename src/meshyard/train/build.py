@@ -309,7 +309,7 @@ def build_checkpointer(cfg: Config, runtime: Runtime, run_dir: Path, parallelize
         shared={"progress": progress, "scheduler": SchedulerState(optimization.scheduler, optimizer),
                 "scaler": ScalerState(optimization.precision.scaler), "data": DataPosition(data, batch, progress),
                 **({"guard": guard} if guard is not None else {})},
-        per_rank={"comm": compression} if compression.state_dict() else {},
+        per_rank={"comm": compression},
         zero1=parallelized.layout.zero1,
     )
     run_id = rank0_decides(lambda: run_id_of(run_dir))  # marks this run's checkpoints

@@ -226,6 +226,9 @@ class Trainer:
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._last_eval_loss: float | None = None
         self._checkpoint_stall: float | None = None
+        self._previous_save_wait: float | None = None
+        self._staging_wait: float | None = None
+        self._staging_warm = False  # async saves' pinned host buffers are allocated (see fit)
         self._outcomes_seen = 0
         # Whether the next step is issued before the last one's figures are read: where the
         # device runs behind the host (CUDA), so that the host never waits for it. On CPU
@@ -316,9 +319,13 @@ class Trainer:
     def _apply_update(self, keep: bool = True) -> None:
         """The optimizer step (left out when the guard does not ``keep`` the step: its
         gradients are dropped, while the schedule still moves on with the step count)."""
-        self.checkpoints.wait_staged()  # an async save's copy of the weights is taken before they change
+        waited = self.checkpoints.wait_staged()  # an async save's copy of the weights is taken before they change
+        if waited is not None:
+            self._staging_wait = waited
         if keep:
             self.precision.scaler.step(self.optimizer)
+            if not self._staging_warm:  # the optimizer's state exists once it has stepped
+                self._staging_warm = self.checkpoints.warm_staging()
         self.precision.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -461,6 +468,10 @@ class Trainer:
         self.sinks.display.start(self.progress.step)
         in_flight: IssuedStep | None = None
         preempt = time_save = roll_back = save_waiting = False
+        # Async saves on CUDA stage into pinned host buffers: allocated and pinned here, not
+        # inside the step after the first save (the optimizer's part after its first step
+        # on a fresh start). Nothing to do elsewhere.
+        self._staging_warm = self.checkpoints.warm_staging()
         if self.guard is not None:
             self._take_snapshot(force=True)  # a rollback always has somewhere to go
             self._lr_factor = 0.0  # a resumed run lowered its learning rate: so does this one
@@ -516,6 +527,8 @@ class Trainer:
             return True
         self.timer.mark("checkpoint")
         stall_start = time.perf_counter()
+        self.checkpoints.wait()  # at most one save in flight: a previous one still writing finishes first
+        self._previous_save_wait = time.perf_counter() - stall_start
         self.save_checkpoint(eval_loss=self._last_eval_loss)
         self._period_start = time.perf_counter()
         self._checkpoint_stall = self._period_start - stall_start
@@ -595,6 +608,10 @@ class Trainer:
         figures: dict[str, Any] = {}
         if self._checkpoint_stall is not None:
             figures["checkpoint_stall_s"], self._checkpoint_stall = self._checkpoint_stall, None
+        if self._previous_save_wait is not None:
+            figures["checkpoint_previous_wait_s"], self._previous_save_wait = self._previous_save_wait, None
+        if self._staging_wait is not None:
+            figures["checkpoint_staging_wait_s"], self._staging_wait = self._staging_wait, None
         outcomes = self.checkpoints.outcomes
         for outcome in outcomes[self._outcomes_seen:]:
             figures["checkpoint_step"] = outcome.step
