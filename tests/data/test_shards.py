@@ -108,3 +108,20 @@ def test_a_rerun_with_larger_shards_removes_those_the_new_index_does_not_name(tm
     tokens = load_corpus(DataConfig(source="shards", url=str(out), cache_dir=str(tmp_path / "read"))).tokens
     assert np.array_equal(tokens[0:1000], np.concatenate(
         [np.fromfile(out / s.name, dtype=second.index.element) for s in second.index.shards])[:1000])
+
+
+def test_a_shard_is_read_in_one_ranged_request_of_the_size_its_index_gives(tmp_path):
+    """s3fs asks for an object's size (a request of its own) before a whole-object read; a
+    read of the bytes the index names needs none, and never reads past them."""
+    prepare_shards(write_text(tmp_path / "text"), str(tmp_path / "out"), shard_tokens=100,
+                   cache_dir=tmp_path / "cache", report=lambda _: None)
+    store = ShardStore(str(tmp_path / "out"))
+    index = store.read_index()
+    calls = []
+    cat_file = store.fs.cat_file
+    store.fs.cat_file = lambda path, **ranged: calls.append(ranged) or cat_file(path, **ranged)
+    first = index.shards[0]
+    with open(store.path(first.name), "ab") as damaged:
+        damaged.write(b"tail")  # bytes beyond the index's are never read
+    assert len(store.read(first.name)) == first.tokens
+    assert calls == [{"start": 0, "end": first.tokens}]

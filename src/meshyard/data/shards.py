@@ -93,11 +93,18 @@ class ShardStore:
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        # Bytes of each shard the index read last names: a read asks for exactly those, in
+        # one ranged request (s3fs asks for an object's size first, a request of its own,
+        # when it may split a whole-object read).
+        self.sizes: dict[str, int] = {}
 
     def path(self, name: str) -> str:
         return posixpath.join(self.root, name)
 
     def read(self, name: str) -> bytes:
+        size = self.sizes.get(name)
+        if size:  # bytes beyond are never read; a shorter file fails its digest, as a damaged one does
+            return self.fs.cat_file(self.path(name), start=0, end=size)
         return self.fs.cat_file(self.path(name))
 
     def size(self, name: str) -> int | None:
@@ -127,4 +134,6 @@ class ShardStore:
         except FileNotFoundError:
             raise DataSourceError(f"{self.url} holds no {INDEX_NAME}: it is no prepared corpus; write one with "
                                   f"'meshyard data prepare SOURCE --out {self.url}', or fix data.url") from None
-        return ShardIndex.from_json(text, f"{self.url}/{INDEX_NAME}")
+        index = ShardIndex.from_json(text, f"{self.url}/{INDEX_NAME}")
+        self.sizes = {shard.name: shard.tokens * index.element.itemsize for shard in index.shards}
+        return index
