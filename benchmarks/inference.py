@@ -77,6 +77,7 @@ from meshyard.inference.decoding import decode_step, prefill
 from meshyard.inference.engine import EagerEngine, Engine, generate_by_recomputing
 from meshyard.inference.loading import describe, load_engine
 from meshyard.inference.sampling import Sampling
+from meshyard.models.decode_graph import EAGER_STEPS
 from meshyard.models.gpt import GPT, GPT_PRESETS, GPTShape
 from meshyard.serve.batching import DynamicBatcher
 from meshyard.serve.continuous import ContinuousBatcher
@@ -410,8 +411,8 @@ def run_scheduler(kind: str, engine: EagerEngine, items: list[tuple[list[int], S
 
 
 def step_costs(engine: EagerEngine, max_batch: int) -> dict[int, float]:
-    """Median seconds of one decoding forward at batch 1 and ``max_batch``, up to 100 tokens
-    into the slots."""
+    """Median seconds of one steady decoding forward at batch 1 and ``max_batch``, up to 100
+    tokens into the slots."""
     costs, filled = {}, min(100, engine.context_length - 16)
     with torch.inference_mode():
         for batch in (1, max_batch):
@@ -419,12 +420,14 @@ def step_costs(engine: EagerEngine, max_batch: int) -> dict[int, float]:
             for slot in range(batch):
                 prefill(engine.module, cache, slot, list(range(1, filled + 1)))
             times = []
-            for _ in range(12):
+            # Past the steps a cache runs eagerly before it captures a CUDA graph (on CUDA): the
+            # steady step the continuous scheduler's long-lived cache runs.
+            for _ in range(EAGER_STEPS + 1 + 12):
                 start = time.perf_counter()
                 # The token back on the host, as the schedulers take it (and a CUDA step done).
                 decode_step(engine.module, cache, list(range(batch)), [1] * batch).argmax(-1).tolist()
                 times.append(time.perf_counter() - start)
-            costs[batch] = statistics.median(times)
+            costs[batch] = statistics.median(times[-12:])
     return costs
 
 
