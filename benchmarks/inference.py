@@ -413,16 +413,17 @@ def run_scheduler(kind: str, engine: EagerEngine, items: list[tuple[list[int], S
 def step_costs(engine: EagerEngine, max_batch: int) -> dict[int, float]:
     """Median seconds of one steady decoding forward at batch 1 and ``max_batch``, up to 100
     tokens into the slots."""
-    costs, filled = {}, min(100, engine.context_length - 16)
+    # Past the steps a cache runs eagerly before it captures a CUDA graph (on CUDA): the
+    # steady step the continuous scheduler's long-lived cache runs.
+    steps = EAGER_STEPS + 1 + 12
+    costs, filled = {}, min(100, engine.context_length - steps - 1)
     with torch.inference_mode():
         for batch in (1, max_batch):
             cache = engine.module.init_kv_cache(batch, engine.context_length)
             for slot in range(batch):
                 prefill(engine.module, cache, slot, list(range(1, filled + 1)))
             times = []
-            # Past the steps a cache runs eagerly before it captures a CUDA graph (on CUDA): the
-            # steady step the continuous scheduler's long-lived cache runs.
-            for _ in range(EAGER_STEPS + 1 + 12):
+            for _ in range(steps):
                 start = time.perf_counter()
                 # The token back on the host, as the schedulers take it (and a CUDA step done).
                 decode_step(engine.module, cache, list(range(batch)), [1] * batch).argmax(-1).tolist()
