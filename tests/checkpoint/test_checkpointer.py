@@ -21,6 +21,7 @@ class RecordingManager:
         self.stages_to_pinned_memory = pins
         self.saved: list[dict[str, Any]] = []
         self.warmed: list[dict[str, Any]] = []
+        self.events: list[str] = []
 
     def save(self, step: int, tensors: dict[str, Any], shared: dict[str, Any], facts: dict[str, Any],
              blocking: bool = False) -> None:
@@ -28,6 +29,10 @@ class RecordingManager:
 
     def warm_staging(self, tensors: dict[str, Any]) -> None:
         self.warmed.append(tensors)
+        self.events.append("warm")
+
+    def wait(self) -> None:
+        self.events.append("wait")
 
     def wait_staged(self) -> float | None:
         return None
@@ -76,3 +81,17 @@ def test_nothing_is_warmed_where_staging_pins_nothing():
     checkpointer, manager, optimizer = _checkpointer(pins=False)
     _step(optimizer)
     assert checkpointer.warm_staging() is True and manager.warmed == []
+
+
+def test_a_save_that_staged_the_whole_state_leaves_nothing_to_warm_and_a_warm_up_waits_for_a_save_in_flight():
+    """The guard may drop every step before the first save: that save stages first (DCP
+    builds the optimizer's state for it), and a warm-up must never stage into the buffers a
+    writer still reads."""
+    checkpointer, manager, optimizer = _checkpointer()
+    checkpointer.save(1, {})  # async, before any optimizer step
+    _step(optimizer)
+    assert checkpointer.warm_staging() is True and manager.events == []  # its buffers are there
+    checkpointer, manager, optimizer = _checkpointer()
+    _step(optimizer)
+    checkpointer.save(1, {}, blocking=True)  # staged nothing
+    assert checkpointer.warm_staging() is True and manager.events == ["wait", "warm"]

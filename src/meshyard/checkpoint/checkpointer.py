@@ -61,6 +61,7 @@ class Checkpointer:
         # the same host buffer every time.
         self._rng_blob = new_rng_blob()
         self._staging_warmed = False  # the model's part, while the optimizer has no state yet
+        self._staged_whole = False  # an async save staged model and optimizer state
 
     # when to save (the manager's policy) ----------------------------------------------------
     @property
@@ -99,10 +100,13 @@ class Checkpointer:
         pin). False while the optimizer has no state: before its first step there is none
         to stage, and building it here would count an optimizer step. The model's part is
         warmed then, and a call after an optimizer step warms the rest."""
-        if not self.manager.stages_to_pinned_memory:
+        if not self.manager.stages_to_pinned_memory or self._staged_whole:
             return True
         ready = optimizer_holds_state(self.state.optimizer, self.state.zero1)
         if ready or not self._staging_warmed:
+            # A save still writing reads these very buffers (a save came first: the guard
+            # can drop every step before it): staging again under it would mix two steps.
+            self.manager.wait()
             self.manager.warm_staging(self._tensor_state(with_optimizer=ready))
             self._staging_warmed = True
         return ready
@@ -123,6 +127,8 @@ class Checkpointer:
         tensors = self._tensor_state()
         shared = {name: part.state_dict() for name, part in self.state.shared.items()}
         self.manager.save(step, tensors, shared, facts, blocking=blocking)
+        if not blocking and optimizer_holds_state(self.state.optimizer, self.state.zero1):
+            self._staged_whole = True  # the host buffers of the whole state exist: nothing left to warm
         self.saved_step = step
 
     def _tensor_state(self, with_optimizer: bool = True) -> dict[str, Any]:
