@@ -42,7 +42,9 @@ class TokenWindows(Dataset):
         """Let a source that fetches ahead of need (token shards) start on these batches'
         windows: their first and last tokens name every shard they touch."""
         starts = (self.first + np.asarray([i for batch in batches for i in batch], dtype=np.int64)) * self.seq_len
-        self.tokens.prefetch(np.concatenate([starts, starts + self.seq_len]))
+        # Each window's first and last token side by side: what is needed first is named first,
+        # and the fetches ahead stop at a cap.
+        self.tokens.prefetch(np.stack([starts, starts + self.seq_len], axis=1))
 
     def span_order(self, span_shards: int, global_batch: int, lanes: int, seed: int) -> SpanOrder | None:
         """The order that reads token shards ``span_shards`` at a time in ``lanes`` lanes

@@ -29,6 +29,10 @@ from fsspec.implementations.local import LocalFileSystem
 from meshyard.data.cache import DataSourceError, dtype_suffix
 
 INDEX_NAME = "index.json"
+ONE_REQUEST_BYTES = 16 << 20
+"""Shards up to this size are read in one ranged request; larger ones through the
+filesystem's whole-object read, which s3fs splits over concurrent requests (after asking
+for the size, which costs more than it saves on small ones)."""
 FORMAT_VERSION = 1
 
 
@@ -91,19 +95,26 @@ class ShardStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
+        self.storage_options = dict(storage_options or {})
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        # Bytes of each shard the index read last names: a read asks for exactly those, in
-        # one ranged request (s3fs asks for an object's size first, a request of its own,
-        # when it may split a whole-object read).
+        # Bytes of each shard the index read last names: a read of a small one asks for
+        # exactly those, in one ranged request (``ONE_REQUEST_BYTES``).
         self.sizes: dict[str, int] = {}
+
+    def reopened(self) -> ShardStore:
+        """The same store opened anew, for another process: an fsspec filesystem made in one
+        process refuses to work in a forked child (s3fs's event loop belongs to its maker)."""
+        store = ShardStore(self.url, self.storage_options)
+        store.sizes = dict(self.sizes)
+        return store
 
     def path(self, name: str) -> str:
         return posixpath.join(self.root, name)
 
     def read(self, name: str) -> bytes:
         size = self.sizes.get(name)
-        if size:  # bytes beyond are never read; a shorter file fails its digest, as a damaged one does
+        if size and size <= ONE_REQUEST_BYTES:  # bytes beyond are never read; fewer fail the digest
             return self.fs.cat_file(self.path(name), start=0, end=size)
         return self.fs.cat_file(self.path(name))
 
