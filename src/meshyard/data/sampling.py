@@ -43,7 +43,7 @@ class GlobalBatchSampler:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
-        order: Callable[[int], np.ndarray] | None = None,
+        order: SpanOrder | None = None,
     ) -> None:
         if global_batch > num_samples:
             raise ValueError(
@@ -59,8 +59,8 @@ class GlobalBatchSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
-        self.order = order  # epoch -> its samples in order (``SpanOrder``); None: a permutation of all
-        if order is not None and getattr(order, "num_samples", num_samples) != num_samples:
+        self.order = order  # None: each epoch a permutation of all samples
+        if order is not None and order.num_samples != num_samples:
             raise ValueError(f"the sample order covers {order.num_samples} samples, the dataset {num_samples}")
         self.steps_per_epoch = num_samples // global_batch  # the last partial batch is dropped
         self.start_step = 0  # where a new iterator begins (set by a resume)
@@ -76,7 +76,7 @@ class GlobalBatchSampler:
         """What decides the order of samples, as checkpoints record it (never the world size)."""
         if not self.shuffle:
             return "in order"
-        return getattr(self.order, "description", "custom") if self.order is not None else "shuffled over all samples"
+        return self.order.description if self.order is not None else "shuffled over all samples"
 
     def skip(self, stream_steps: list[int]) -> None:
         """Never take these stream steps (each a whole global batch) again."""
