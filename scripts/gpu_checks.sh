@@ -6,7 +6,7 @@
 # Figures go to stdout and to $OUT (default /tmp/gpu-checks): one text file per part run,
 # JSON figures, and decode_step's profile (operator tables in decode_step.txt, Chrome
 # traces packed into one archive).
-# Packages such machines tend to lack (tomli-w; starlette, uvicorn and their few
+# Packages such machines tend to lack (tomli-w; starlette, uvicorn, httptools and their few
 # dependencies for the server tests): put their wheels in wheels/, and those whose module
 # is missing are installed from there without dependencies.
 set -uo pipefail
@@ -16,7 +16,7 @@ part="${1:-first}"
 export PYTHONPATH="${PYTHONPATH:-$PWD/src}"
 out="${OUT:-/tmp/gpu-checks}"
 mkdir -p "$out"
-for pair in tomli_w:tomli_w starlette:starlette uvicorn:uvicorn h11:h11 anyio:anyio click:click \
+for pair in tomli_w:tomli_w starlette:starlette uvicorn:uvicorn h11:h11 httptools:httptools anyio:anyio click:click \
             prometheus_client:prometheus_client; do
     module="${pair%%:*}"; wheel="${pair##*:}"
     python3 -c "import $module" 2>/dev/null || python3 -m pip install -q --no-deps wheels/"$wheel"-*.whl

@@ -28,6 +28,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "yaml": ("k8s", "pyyaml"),
     "starlette": ("serve", "starlette"),
     "uvicorn": ("serve", "uvicorn"),
+    "httptools": ("serve", "httptools"),
     "jinja2": ("serve", "jinja2"),
     "redis": ("redis", "redis"),
     "onnx": ("export", "onnx"),

@@ -322,6 +322,7 @@ def test_a_port_in_use_is_refused(capsys, trained_run):
 
 @pytest.mark.parametrize("missing, argv, needs", [
     ("starlette", [], "meshyard serve needs the 'starlette' package"),
+    ("httptools", [], "meshyard serve needs the 'httptools' package"),
     ("redis", ["--cache", "redis://127.0.0.1:1/0"], "serve.cache = 'redis://127.0.0.1:1/0' needs the 'redis' package"),
 ])
 def test_a_missing_optional_package_names_its_extra(missing, argv, needs, capsys, trained_run, monkeypatch):

@@ -216,7 +216,7 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     """``meshyard serve``: 0 after SIGTERM or SIGINT; a command line that cannot be served
     raises ``BadInput`` (exit code 2) before anything listens."""
     cfg = settings(args, overrides)
-    for module in ("starlette", "uvicorn", *(["redis"] if cfg.cache.startswith(CACHE_SCHEMES) else [])):
+    for module in ("starlette", "uvicorn", "httptools", *(["redis"] if cfg.cache.startswith(CACHE_SCHEMES) else [])):
         require(module, "meshyard serve" if module != "redis" else f"serve.cache = '{cfg.cache}'")
     router = routes(args, cfg)
     from meshyard.inference.chat_template import ChatTemplateError
