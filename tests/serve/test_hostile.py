@@ -182,6 +182,45 @@ def test_a_head_longer_than_the_bound_is_answered_431_and_one_within_it_is_serve
     assert_answers_good_requests(guarded)
 
 
+def test_trailers_longer_than_the_bound_are_answered_431(guarded):
+    """A chunked body's trailers are held by the parser like headers: bounded alike (counted
+    over the reads after the one that brought the body's last bytes)."""
+    with connect(guarded) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: " % GENERATE.encode())
+        try:
+            for _ in range(2 * MAX_HEAD_BYTES // 4096):
+                time.sleep(0.01)  # reads of their own, as a client holding memory sends them
+                sock.sendall(b"a" * 4096)
+        except OSError:
+            pass  # refused while still sending: the answer is read below
+        answer = read_until_closed(sock)
+    assert status_of(answer) == 431, answer[:300]
+    assert_answers_good_requests(guarded)
+
+
+def test_blank_lines_dripped_on_a_kept_alive_connection_gain_no_time(guarded):
+    """Bytes after an answered request start the next head, under serve.read_timeout_s,
+    even the blank lines a parser skips between requests."""
+    body = json.dumps(GOOD[GENERATE]).encode()
+    with connect(guarded) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n\r\n%s" % (GENERATE.encode(),
+                                                                                          len(body), body))
+        started = time.monotonic()
+        answers = b""
+        while time.monotonic() - started < READ_TIMEOUT_S + 5.0:
+            if select.select([sock], [], [], 0.3)[0]:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answers += chunk
+            else:
+                sock.sendall(b"\r\n")
+        waited = time.monotonic() - started
+    assert status_of(answers) == 200 and b"408 Request Timeout" in answers, answers[-300:]
+    assert waited < READ_TIMEOUT_S + 5.0
+
+
 def test_good_requests_are_answered_while_200_half_sent_requests_are_held(guarded):
     """Half of the held connections stop inside their headers, half inside an announced body
     (which reaches the route's handler); good requests meanwhile are answered at once, and

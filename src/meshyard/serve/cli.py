@@ -198,7 +198,7 @@ async def serve_until_stopped(app: Any, sock: socket.socket, ready_file: str | N
     make_room_for(cfg.max_connections)
     protocol = guarded_protocol(cfg.read_timeout_s, cfg.max_connections, connection_refusal(cfg.max_connections))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
-                                          timeout_keep_alive=cfg.keep_alive_timeout_s))
+                                          ws="none", timeout_keep_alive=cfg.keep_alive_timeout_s))
     running = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not running.done():
         server.should_exit = server.should_exit or stop.requested

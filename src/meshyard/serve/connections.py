@@ -18,8 +18,9 @@ request. ``GuardedProtocol`` is uvicorn's httptools protocol with four additions
   place of the application: its first request is answered by it (503) and the connection
   closed. Answering after the request's head has arrived, rather than at once, lets the
   client read the answer instead of a reset.
-- **head bound**: a request line and headers longer than ``MAX_HEAD_BYTES`` are answered 431
-  and the connection closed (the parser would otherwise hold a header of any length).
+- **head bound**: a request line and headers (or a chunked body's trailers) longer than
+  ``MAX_HEAD_BYTES`` are answered 431 and the connection closed; the parser would otherwise
+  hold a header of any length. A pipelined request's 431 follows the answer under way.
 - **one send per turn**: what the server writes to a connection during one event-loop turn
   leaves in one send (``TurnWriter``): a response's head with its body, or with a stream's
   first event; a stream's last event with ``[DONE]`` and the end of the body.
@@ -47,9 +48,9 @@ Asgi = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], A
 SPARE_FILES = 256
 """Open files the server needs beside its connections (models, logs, the listening socket)."""
 MAX_HEAD_BYTES = 32 * 1024
-"""The longest request line and headers a connection takes. A head still arriving is counted
-by the reads since it began, the whole read it began in included, so a pipelined request may
-be charged the end of the one before."""
+"""The longest request line and headers (or chunked body's trailers) a connection takes. What
+arrives in the read that brought the message's start or its last body bytes is not counted,
+so the parser holds at most this and one read (256 KiB)."""
 
 
 def error_answer(status: str, message: str) -> bytes:
@@ -76,8 +77,8 @@ def head_too_large_answer() -> bytes:
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a read deadline, a connection cap and a bound on a
-    request's head (see the module's docstring); ``guarded_protocol`` makes one with the
+    """uvicorn's httptools protocol with a read deadline, a connection cap and a bound on what
+    the parser holds (see the module's docstring); ``guarded_protocol`` makes one with the
     server's settings."""
 
     read_timeout_s: float = 10.0
@@ -86,11 +87,12 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
-        self._in_head = False  # a request's head has begun to arrive and is not complete
-        self._head_bytes = 0  # that head's line and headers, as the parser passed them on
-        self._head_reads = 0  # the bytes of the reads since that head began
+        self._in_head = False  # bytes of a request have come, its head is not complete
         self._body_owed = False  # a request's head is in, the rest of its message is not
-        self._refused = False  # answered 431: nothing more is read
+        self._head_bytes = 0  # the line and headers of the request being read, as parsed
+        self._held_bytes = 0  # bytes read since the parser last passed a part of a message on
+        self._passed_on = False  # during one read: the parser passed a part on
+        self._refused = False  # refused 431: nothing more is parsed
         super().connection_made(TurnWriter(transport, self.loop))  # type: ignore[arg-type]
         if len(self.connections) > self.max_connections and self.refusal is not None:
             self.app = self.refusal
@@ -99,18 +101,27 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if not self._body_owed and (self.cycle is None or self.cycle.response_complete):
+            # Any byte on an idle connection (even the CRLFs the parser skips between
+            # requests) starts a head the client now owes, under the read deadline.
+            self._in_head = True
+        self._passed_on = False
         super().data_received(data)
-        if self._in_head and not self._refused:
-            # A head still incomplete: the parser holds a header it has not passed on yet,
-            # so count the reads since the head began (the whole read it began in).
-            self._head_reads += len(data)
-            if self._head_reads > MAX_HEAD_BYTES:
-                self._refuse_head()
+        if (self._in_head or self._body_owed) and not self._passed_on and not self._refused:
+            # The parser holds these bytes (a header or trailer not passed on yet): bound
+            # them. The read in which a part was passed on is not counted, so what it holds
+            # is at most MAX_HEAD_BYTES and one read.
+            self._held_bytes += len(data)
+            if self._held_bytes > MAX_HEAD_BYTES:
+                self._refuse()
         self._watch()
 
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
         super().on_message_begin()
-        self._in_head, self._head_bytes, self._head_reads = True, 0, 0
+        self._in_head, self._head_bytes = True, 0
+        self._part_passed_on()
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -121,27 +132,36 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse_head()
+            self._refuse()
             return
         self._in_head, self._body_owed = False, True
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            super().on_body(body)
+        if self._refused:
+            return
+        self._part_passed_on()
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         self._body_owed = False
-        if not self._refused:
-            super().on_message_complete()
-
-    def _refuse_head(self) -> None:
-        self._refused, self._in_head = True, False
-        self.transport.write(head_too_large_answer())
-        self.transport.close()
+        self._part_passed_on()
+        drained_after_answer = self.cycle.response_complete
+        super().on_message_complete()
+        if drained_after_answer and self.timeout_keep_alive_task is None and not self.transport.is_closing():
+            # uvicorn armed its keep-alive timeout at the answer and dropped it at the unread
+            # body's bytes: the connection is idle again.
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
+        if self._refused and not self.transport.is_closing():  # a pipelined head refused meanwhile
+            self._answer_refusal()
         super().on_response_complete()
         self._watch()
 
@@ -149,10 +169,27 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def _part_passed_on(self) -> None:
+        self._passed_on, self._held_bytes = True, 0
+
+    def _refuse(self) -> None:
+        """431 for a head (or trailers) over MAX_HEAD_BYTES, and the connection closed; a
+        pipelined request's head waits for the answer under way to end first."""
+        pipelined = self._in_head and self.cycle is not None and not self.cycle.response_complete
+        self._refused, self._in_head, self._body_owed = True, False, False
+        if not pipelined:
+            self._answer_refusal()
+
+    def _answer_refusal(self) -> None:
+        answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        if not answering:  # else the 431 would land inside that answer: the connection just closes
+            self.transport.write(head_too_large_answer())
+        self.transport.close()
+
     def _owed(self) -> bool:
         """Whether the protocol waits on the client for bytes that no application reads: the
-        head of the first or a begun request, or the rest of a body answered unread. An idle
-        kept-alive connection owes nothing (uvicorn's keep-alive timeout closes it)."""
+        first request, a begun one, or the rest of a body answered unread. An idle kept-alive
+        connection owes nothing (uvicorn's keep-alive timeout closes it)."""
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return False  # an application is answering: it reads the body under its own deadline
         return self._in_head or self._body_owed or self.cycle is None
@@ -162,12 +199,6 @@ class GuardedProtocol(HttpToolsProtocol):
         arrival, so dripping a byte at a time gains nothing) and lifts it when they are in."""
         if not self._owed():
             self._disarm()
-            if self.cycle is not None and self.cycle.response_complete and self.timeout_keep_alive_task is None \
-                    and not self.pipeline and not self.transport.is_closing():
-                # Idle again after draining an unread body: uvicorn armed its keep-alive
-                # timeout at the response and dropped it at the body's bytes.
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                    self.timeout_keep_alive_handler)
         elif self._deadline is None:
             self._deadline = self.loop.call_later(self.read_timeout_s, self._expired)
 
