@@ -241,25 +241,39 @@ def test_a_cache_too_small_for_the_lanes_is_named_at_start_and_one_holding_the_c
     tokens.close()
 
 
-def test_loader_workers_read_the_shards_their_rank_fetches_and_nothing_is_downloaded_twice(tmp_path, corpus):
+def test_loader_workers_fetch_from_object_storage_what_their_rank_no_longer_holds(tmp_path, corpus):
+    """A cache far smaller than the warning asks for, with 2 workers and several batches in
+    flight: the rank evicts shards before its workers read them, so the workers fetch them
+    from S3 themselves (s3fs refuses to work in a forked child: each worker opens the store
+    anew), and the batches are still the ones read without workers."""
+    steps = 10
+    small = f"--data.cache_bytes={3 * SHARD_TOKENS}"
+    plain, plain_bundle = batches(data_config(tmp_path / "plain", corpus, small), steps)
+    plain_bundle.close()
+    workers, bundle = batches(data_config(tmp_path / "workers", corpus, small, "--data.num_workers=2"), steps)
+    assert bundle.warnings  # the warning says this cache is too small
+    assert windows(workers) == windows(plain)
+    bundle.close()
+
+
+def test_loader_workers_read_the_shards_their_rank_fetches_and_nothing_is_downloaded_twice(tmp_path, corpus,
+                                                                                              monkeypatch):
     """With 2 loader workers the rank's look-ahead fetches (each micro-batch's shards named
     as it is handed out), and the workers read those files: every shard read is downloaded
     once, by the rank, and the batches are the ones read without workers."""
     log = tmp_path / "fetches.txt"
+    read = ShardStore.read
 
-    def logged(cache: ShardCache) -> None:  # before the workers fork: they inherit it
-        read = cache.store.read
-
-        def recorded(name: str) -> bytes:
-            with log.open("a") as out:
-                out.write(f"{os.getpid()} {name}\n")
-            return read(name)
-        cache.store.read = recorded
+    def recorded(store: ShardStore, name: str) -> bytes:  # the class's: a worker opens a store of its own
+        with log.open("a") as out:
+            out.write(f"{os.getpid()} {name}\n")
+        return read(store, name)
 
     steps = 6
-    plain, _ = batches(data_config(tmp_path / "plain", corpus), steps)
-    log.unlink(missing_ok=True)
-    workers, bundle = batches(data_config(tmp_path / "workers", corpus, "--data.num_workers=2"), steps, patch=logged)
+    plain, plain_bundle = batches(data_config(tmp_path / "plain", corpus), steps)
+    plain_bundle.close()  # its fetches ahead are not this reader's
+    monkeypatch.setattr(ShardStore, "read", recorded)
+    workers, bundle = batches(data_config(tmp_path / "workers", corpus, "--data.num_workers=2"), steps)
     assert windows(workers) == windows(plain)
     fetched = [line.split() for line in log.read_text().splitlines()]
     assert fetched and {pid for pid, _ in fetched} == {str(os.getpid())}  # the rank fetched, no worker did

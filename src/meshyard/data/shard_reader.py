@@ -18,8 +18,10 @@ Loader workers (``data.num_workers > 0``) read what their rank fetches: the samp
 the rank's process, so its look-ahead fills the rank's folder, and a worker reads a shard
 from there, waiting while the rank's fetch of it is under way (a ``.name.pending`` file
 marks one). A worker fetches a shard itself, into a cache of its own inside the rank's
-folder, only when the rank neither holds nor fetches it (evicted meanwhile, say); so a
-rank downloads its share once, whatever the number of its workers.
+folder, only when the rank neither holds nor fetches it (evicted meanwhile, say), through
+the store opened anew in the worker (an fsspec client made in the rank, s3fs's, refuses to
+work in a forked child); so a rank downloads its share once, whatever the number of its
+workers.
 
 A fetch that fails is tried again (``FETCH_ATTEMPTS``, with a growing pause); a shard
 whose digest does not match the index is fetched once more, then refused.
@@ -84,11 +86,13 @@ class ShardCache:
         """Start a cache of this process's own when it is not the one that made this one: a
         loader worker forked (or unpickled) from its rank inherits the rank's bookkeeping,
         but none of its threads, and must not delete files the rank reads. It reads the
-        rank's files where it can (``_from_rank``)."""
+        rank's files where it can (``_from_rank``), and opens the store anew for its own fetches."""
         if self._owner != os.getpid():
             rank_folder = self.folder
             self._start_in_this_process(new_reader_folder(rank_folder))
             self.rank_folder = rank_folder
+            if not self.store.is_local:
+                self.store = self.store.reopened()
 
     def close(self) -> None:
         """Wait for fetches under way, then remove the cache's folder and what it holds."""
