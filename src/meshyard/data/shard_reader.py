@@ -92,6 +92,9 @@ class ShardCache:
             self._start_in_this_process(new_reader_folder(rank_folder))
             self.rank_folder = rank_folder
             if not self.store.is_local:
+                # Kept, never collected here: its clean-up belongs to the rank's event loop,
+                # and run in this process it blocks for a second and touches the rank's sockets.
+                self._rank_store = self.store
                 self.store = self.store.reopened()
 
     def close(self) -> None:

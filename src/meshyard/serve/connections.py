@@ -120,6 +120,9 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_begin()
+        # A keep-alive timer armed when an unread body drained must not close the
+        # connection while this request is answered.
+        self._unset_keepalive_if_required()
         self._in_head, self._head_bytes = True, 0
         self._part_passed_on()
 
@@ -151,6 +154,7 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         self._body_owed = False
         self._part_passed_on()
+        self._disarm()  # a head that follows has the whole read timeout from now
         drained_after_answer = self.cycle.response_complete
         super().on_message_complete()
         if drained_after_answer and self.timeout_keep_alive_task is None and not self.transport.is_closing():
@@ -160,8 +164,8 @@ class GuardedProtocol(HttpToolsProtocol):
                                                                 self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
-        if self._refused and not self.transport.is_closing():  # a pipelined head refused meanwhile
-            self._answer_refusal()
+        if self._refused and not self.pipeline and not self.transport.is_closing():
+            self._answer_refusal()  # refused while answers were under way or queued: now they are sent
         super().on_response_complete()
         self._watch()
 
@@ -173,12 +177,19 @@ class GuardedProtocol(HttpToolsProtocol):
         self._passed_on, self._held_bytes = True, 0
 
     def _refuse(self) -> None:
-        """431 for a head (or trailers) over MAX_HEAD_BYTES, and the connection closed; a
-        pipelined request's head waits for the answer under way to end first."""
-        pipelined = self._in_head and self.cycle is not None and not self.cycle.response_complete
+        """431 for a head (or trailers) over MAX_HEAD_BYTES, and the connection closed. The
+        answers to the requests before it, under way or queued (pipelined), go first: the
+        431 is then the answer to the refused request, as the client pairs them."""
+        refused = None if self._in_head else self.cycle  # trailers: the request already has a cycle
         self._refused, self._in_head, self._body_owed = True, False, False
-        if not pipelined:
-            self._answer_refusal()
+        if refused is not None and self.pipeline and self.pipeline[0][0] is refused:
+            self.pipeline.popleft()  # queued, never started: it is answered by the 431
+        elif refused is not None or self.cycle is None or self.cycle.response_complete:
+            if not self.pipeline:
+                self._answer_refusal()  # nothing before it is left to answer
+            return
+        # Else the answer to an earlier request is under way: on_response_complete sends the
+        # 431 once it and any queued ones are out.
 
     def _answer_refusal(self) -> None:
         answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
