@@ -96,7 +96,7 @@ class ShardStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         # Bytes of each shard the index read last names: a read of a small one asks for
         # exactly those, in one ranged request (``ONE_REQUEST_BYTES``).
