@@ -30,7 +30,8 @@ from meshyard.inference.engine import Engine
 from meshyard.inference.loading import load_engine
 from meshyard.inference.source import ModelSource
 from meshyard.models.kv_cache import supports_kv_cache
-from meshyard.serve.batching import ClientDisconnected, DynamicBatcher
+from meshyard.serve.batching import ClientDisconnected, DisconnectCheck, DynamicBatcher
+from meshyard.serve.connections import CLIENT_LINK
 from meshyard.serve.continuous import ContinuousBatcher
 from meshyard.serve.dynamic_generate import DynamicGenerateItem, run_generate
 from meshyard.serve.metrics import ServeMetrics
@@ -237,6 +238,14 @@ def error_response(exc: ServeError) -> JSONResponse:
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 
 
+def disconnect_check(request: Request) -> DisconnectCheck:
+    """How a batcher asks whether ``request``'s client left: its connection's ``ClientLink``,
+    read at once, where the server gives one (``meshyard serve`` does); else Starlette's
+    check, which must be awaited."""
+    link = request.scope.get("extensions", {}).get(CLIENT_LINK)
+    return request.is_disconnected if link is None else link.gone
+
+
 async def request_payload(server: Server, request: Request, example: str) -> dict[str, Any]:
     """The request's JSON object, read and parsed within the server's limits (``read_payload``)."""
     return await read_payload(request.headers, _body_chunks(request), server.cfg, example)
@@ -281,7 +290,7 @@ async def generate(server: Server, request: Request, exchange: Exchange) -> dict
         lane = server.lane(source, "generate", engine)
         item = (call.tokens, call.sampling) if lane.engine is not None \
             else DynamicGenerateItem(engine, call.tokens, call.sampling)
-        tokens = await lane.batcher.submit(item, deadline, request.is_disconnected)
+        tokens = await lane.batcher.submit(item, deadline, disconnect_check(request))
     result: dict[str, Any] = {"model": source.name, "version": source.version, "tokens": tokens}
     if source.tokenizer is not None:
         result["text"] = source.tokenizer.decode(tokens)
@@ -301,7 +310,8 @@ async def logits(server: Server, request: Request, exchange: Exchange) -> dict[s
         return found
     async with server.models.use(source) as engine:
         batcher = server.lane(source, "logits", engine).batcher
-        rows = await all_or_none([batcher.submit((engine, sequence, call.top_k), deadline, request.is_disconnected)
+        gone = disconnect_check(request)
+        rows = await all_or_none([batcher.submit((engine, sequence, call.top_k), deadline, gone)
                                   for sequence in call.sequences])
     result = {"model": source.name, "version": source.version, ("top" if call.top_k else "logprobs"): rows}
     await server.cache.put(key, result)

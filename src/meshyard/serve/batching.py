@@ -24,13 +24,14 @@ the shared inference thread). The batcher reports it in two ways:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 from meshyard.serve.types import DeadlineExceeded, QueueFull, ServeError, Unavailable
 
@@ -38,6 +39,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 log = logging.getLogger(__name__)
+
+DisconnectCheck = Callable[[], "bool | Awaitable[bool]"]
+"""Whether a request's client went away: answered at once, or when awaited."""
 
 SHUTTING_DOWN = "the server is shutting down; send the request to another replica or try again later"
 
@@ -62,7 +66,7 @@ class Batched(Generic[R]):
 class _Pending(Generic[T, R]):
     item: T
     deadline: float
-    is_disconnected: Callable[[], Awaitable[bool]] | None
+    is_disconnected: DisconnectCheck | None
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.monotonic)
     queue_wait_s: float = 0.0
@@ -100,7 +104,7 @@ class DynamicBatcher(Generic[T, R]):
         return len(self._queue)
 
     async def submit(self, item: T, deadline: float,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> R:
+                     is_disconnected: DisconnectCheck | None = None) -> R:
         """The result of ``item``, once its batch ran. ``deadline`` is a ``time.monotonic()``
         instant; raises ``QueueFull`` (max_queue items wait), ``DeadlineExceeded``,
         ``ClientDisconnected`` (``is_disconnected()`` said so before the batch was cut),
@@ -108,7 +112,7 @@ class DynamicBatcher(Generic[T, R]):
         return (await self.submit_timed(item, deadline, is_disconnected)).result
 
     async def submit_timed(self, item: T, deadline: float,
-                           is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> Batched[R]:
+                           is_disconnected: DisconnectCheck | None = None) -> Batched[R]:
         """Like ``submit``, with the item's queue wait and its batch's size."""
         pending = self._enqueue(item, deadline, is_disconnected)
         try:
@@ -137,7 +141,7 @@ class DynamicBatcher(Generic[T, R]):
                 pass
             self._worker = None
 
-    def _enqueue(self, item: T, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None,
+    def _enqueue(self, item: T, deadline: float, is_disconnected: DisconnectCheck | None,
                  ) -> _Pending[T, R]:
         if self._closed:
             raise Unavailable(SHUTTING_DOWN)
@@ -223,7 +227,7 @@ class DynamicBatcher(Generic[T, R]):
         while self._queue and len(batch) < self.max_batch_size:
             candidates = [self._queue.popleft() for _ in range(min(self.max_batch_size - len(batch),
                                                                    len(self._queue)))]
-            gone = await asyncio.gather(*(client_gone(p.is_disconnected) for p in candidates))
+            gone = await clients_gone([p.is_disconnected for p in candidates])
             now = time.monotonic()
             for pending, disconnected in zip(candidates, gone):
                 if pending.future.done():  # its caller already stopped waiting
@@ -266,15 +270,35 @@ def _timed(run_batch: Callable[[list[T]], list[R]], items: list[T]) -> tuple[flo
     return started, time.monotonic() - started, list(results)
 
 
-async def client_gone(is_disconnected: Callable[[], Awaitable[bool]] | None) -> bool:
-    """Whether a request's client went away, by its ``is_disconnected`` check (None: no
-    check); a failing check keeps the request (its answer will simply not be delivered)."""
-    if is_disconnected is None:
+async def clients_gone(checks: Sequence[DisconnectCheck | None]) -> list[bool]:
+    """Whether each request's client went away, by its check (None: no check). A check
+    answers at once (the connection's ``ClientLink.gone``) or when awaited (Starlette's
+    ``Request.is_disconnected``); the awaited ones are asked together, not one after another,
+    and without any, nothing here yields to the event loop. A failing check keeps its request
+    (its answer will simply not be delivered)."""
+    answers: list[Any] = [_asked(check) for check in checks]
+    waiting = [i for i, answer in enumerate(answers) if inspect.isawaitable(answer)]
+    if waiting:
+        for i, gone in zip(waiting, await asyncio.gather(*(_awaited(answers[i]) for i in waiting))):
+            answers[i] = gone
+    return [bool(answer) for answer in answers]
+
+
+def _asked(check: DisconnectCheck | None) -> bool | Awaitable[bool]:
+    if check is None:
         return False
     try:
-        return bool(await is_disconnected())
+        return check()
     except Exception:  # noqa: BLE001 - a broken check must not drop a live request
-        log.debug("is_disconnected() failed; keeping the request", exc_info=True)
+        log.debug("the disconnect check failed; keeping the request", exc_info=True)
+        return False
+
+
+async def _awaited(answer: Awaitable[bool]) -> bool:
+    try:
+        return bool(await answer)
+    except Exception:  # noqa: BLE001
+        log.debug("the disconnect check failed; keeping the request", exc_info=True)
         return False
 
 

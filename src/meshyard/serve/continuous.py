@@ -39,7 +39,7 @@ from meshyard.inference.decoding import decode_step, device_of, prefill, require
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache
-from meshyard.serve.batching import SHUTTING_DOWN, ClientDisconnected, call_hook, client_gone
+from meshyard.serve.batching import SHUTTING_DOWN, ClientDisconnected, DisconnectCheck, call_hook, clients_gone
 from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ServeError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class _Request:
     prompt: list[int]
     sampling: Sampling
     deadline: float
-    is_disconnected: Callable[[], Awaitable[bool]] | None
+    is_disconnected: DisconnectCheck | None
     future: asyncio.Future
     submitted_at: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -116,7 +116,7 @@ class ContinuousBatcher:
         return len(self._running)
 
     async def submit(self, item: GenerateItem, deadline: float,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[int]:
+                     is_disconnected: DisconnectCheck | None = None) -> list[int]:
         """The new tokens for ``item`` = (prompt tokens, Sampling), exactly ``max_new_tokens`` of
         them. Raises BadRequest for a prompt the model cannot take, QueueFull when
         ``max_queue`` requests already wait, DeadlineExceeded when ``deadline``
@@ -136,7 +136,7 @@ class ContinuousBatcher:
             raise
 
     async def stream(self, item: GenerateItem, deadline: float,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[list[list[int]]]:
+                     is_disconnected: DisconnectCheck | None = None) -> AsyncIterator[list[list[int]]]:
         """The new tokens of ``item`` as the steps make them: at each wake, the steps made since
         the last (a list of token lists, one per step: two tokens from the step that prefills it,
         one from each step after), refused and failed as ``submit``. Closing the iterator early
@@ -179,7 +179,7 @@ class ContinuousBatcher:
     # -- submission ---------------------------------------------------------------------
 
     def _enqueue(self, item: GenerateItem, deadline: float,
-                 is_disconnected: Callable[[], Awaitable[bool]] | None, streamed: bool = False) -> _Request:
+                 is_disconnected: DisconnectCheck | None, streamed: bool = False) -> _Request:
         """Validate, refuse when full or late, queue, and make sure the loop runs."""
         prompt, sampling = list(item[0]), item[1]
         try:
@@ -273,8 +273,11 @@ class ContinuousBatcher:
     async def _drop_gone(self) -> None:
         """Remove requests whose caller is gone or whose deadline passed, freeing their slots
         (the clients are asked together, not one after another)."""
+        # The readers the last step woke run first: one that stops reading (a stop string
+        # met, a client gone) gives up its slot before the next step, not after it.
+        await asyncio.sleep(0)
         requests = [*self._waiting, *self._running]
-        gone = await asyncio.gather(*(client_gone(r.is_disconnected) for r in requests))
+        gone = await clients_gone([r.is_disconnected for r in requests])
         now = time.monotonic()
         for request, disconnected in zip(requests, gone):
             if request.future.done():

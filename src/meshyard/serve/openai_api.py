@@ -36,9 +36,10 @@ from starlette.responses import JSONResponse, Response
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
-from meshyard.serve.app import request_payload
+from meshyard.serve.app import disconnect_check, request_payload
 from meshyard.serve.chat import ChatShape, parse_chat, template_for
 from meshyard.serve.completions import CompletionCall, TextStream, parse_completion
+from meshyard.serve.batching import DisconnectCheck
 from meshyard.serve.dynamic_generate import DynamicGenerateItem, streamed
 from meshyard.serve.event_stream import EventStream
 from meshyard.serve.requests import bad, shown
@@ -59,7 +60,6 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inval
                422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
                503: "overloaded_error", 504: "timeout_error"}
 LOWEST_LOGPROB = -1e30
-IsDisconnected = Callable[[], Awaitable[bool]]
 
 
 def error_object(exc: ServeError) -> dict[str, Any]:
@@ -141,7 +141,7 @@ async def _answer(server: Server, request: Request, source: ModelSource, call: C
     deadline = time.monotonic() + call.timeout_s
     head = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.object, "created": int(time.time()),
             "model": source.name}
-    events = _events(server, source, call, deadline, request.is_disconnected)
+    events = _events(server, source, call, deadline, disconnect_check(request))
     if not call.stream:
         async with aclosing(events):
             return await _completion(head, call, shape, events)
@@ -239,7 +239,7 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def _events(server: Server, source: ModelSource, call: CompletionCall, deadline: float,
-                  is_disconnected: IsDisconnected) -> AsyncIterator[list[Event]]:
+                  is_disconnected: DisconnectCheck) -> AsyncIterator[list[Event]]:
     """The events of every choice as they come, in lists of those that are ready together; the
     first failure of any choice is raised (after the events before it) and stops the others.
     A lone choice is read in the request's own task (no hand-over per step); several run as
@@ -295,7 +295,7 @@ async def _merged(choices: list[AsyncIterator[list[Event]]]) -> AsyncIterator[li
 
 async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokenizer, call: CompletionCall,
                   choice: tuple[int, list[int], Sampling], deadline: float,
-                  is_disconnected: IsDisconnected) -> AsyncIterator[list[Event]]:
+                  is_disconnected: DisconnectCheck) -> AsyncIterator[list[Event]]:
     """One choice's events: its tokens through its TextStream, an event per step, in lists of
     the steps that were ready together; the last event carries its finish reason."""
     index, prompt, sampling = choice
@@ -328,7 +328,7 @@ async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokeniz
 
 
 def _tokens(lane: Lane, engine: Engine, prompt: list[int], sampling: Sampling, deadline: float,
-            is_disconnected: IsDisconnected, by_step: bool) -> AsyncIterator[list[list[int]]]:
+            is_disconnected: DisconnectCheck, by_step: bool) -> AsyncIterator[list[list[int]]]:
     """A choice's new tokens as lists of the steps that are ready together (a list of tokens
     each): at every step from a continuous batcher, and from a dynamic one when ``by_step``
     (each step then costs the event loop a wake-up, worth it only when the tokens are read as
@@ -342,7 +342,7 @@ def _tokens(lane: Lane, engine: Engine, prompt: list[int], sampling: Sampling, d
 
 
 async def _answered_whole(lane: Lane, item: DynamicGenerateItem, deadline: float,
-                          is_disconnected: IsDisconnected) -> AsyncIterator[list[list[int]]]:
+                          is_disconnected: DisconnectCheck) -> AsyncIterator[list[list[int]]]:
     yield [await lane.batcher.submit(item, deadline, is_disconnected)]
 
 
