@@ -12,11 +12,11 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Iterator
 
 import pytest
 
-from meshyard.serve.batching import Batched, ClientDisconnected, DynamicBatcher
+from meshyard.serve.batching import Batched, ClientDisconnected, DisconnectCheck, DynamicBatcher, clients_gone
 from meshyard.serve.types import DeadlineExceeded, QueueFull, Unavailable
 
 HANG_GUARD_S = 30.0  # far beyond any wait the tests allow; reaching it means the batcher hung
@@ -175,16 +175,21 @@ def test_a_request_past_its_deadline_is_answered_504_and_never_runs(executor):
     assert recorder.batches == [[0], [2]]
 
 
-def test_disconnected_clients_are_dropped_before_their_batch_runs(executor):
+@pytest.mark.parametrize("awaited", [True, False], ids=["awaited-check", "check-answered-at-once"])
+def test_disconnected_clients_are_dropped_before_their_batch_runs(executor, awaited):
     recorder = Recorder()
     batcher = make(recorder, executor, max_batch_size=4, max_wait_ms=0)
     asked: list[int] = []
 
-    def client(item: int, gone: bool) -> Callable[[], Awaitable[bool]]:
+    def client(item: int, gone: bool) -> DisconnectCheck:
         async def is_disconnected() -> bool:
             asked.append(item)
             return gone
-        return is_disconnected
+
+        def gone_now() -> bool:  # a connection's ClientLink.gone
+            asked.append(item)
+            return gone
+        return is_disconnected if awaited else gone_now
 
     async def main() -> list[object]:
         recorder.hold()
@@ -293,3 +298,22 @@ def test_close_answers_waiting_and_running_requests_unavailable(executor):
 def test_bad_settings_are_refused(executor):
     with pytest.raises(ValueError, match="max_batch_size >= 1"):
         DynamicBatcher(Recorder(), max_batch_size=0, max_wait_ms=1, max_queue=1, executor=executor)
+
+
+def test_clients_are_asked_at_once_or_together_and_a_failing_check_keeps_its_request():
+    def broken() -> bool:
+        raise OSError("the check failed")
+
+    async def awaited_broken() -> bool:
+        raise OSError("the check failed")
+
+    async def gone_later() -> bool:
+        await asyncio.sleep(0)
+        return True
+
+    checks = [None, lambda: True, lambda: False, broken, gone_later, awaited_broken]
+    assert run(clients_gone(checks)) == [False, True, False, False, True, False]
+    at_once = clients_gone([lambda: False, lambda: True])
+    with pytest.raises(StopIteration) as finished:  # nothing to await: it never gave the event loop a turn
+        at_once.send(None)
+    assert finished.value.value == [False, True]

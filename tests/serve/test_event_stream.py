@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from meshyard.serve.connections import CLIENT_LINK
 from meshyard.serve.event_stream import EventStream
 
 HANG_GUARD_S = 10.0
@@ -71,3 +72,42 @@ def test_a_client_that_leaves_closes_the_events_and_the_response_ends_quietly():
     client, was_closed, cancelling = asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
     assert was_closed and cancelling == 0
     assert client.bodies() == [(b"data: 1\n\n", True)]
+
+
+class Link:
+    """A connection's link that takes body parts until told to decline (a slow reader)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.declining = False
+
+    def gone(self) -> bool:
+        return False
+
+    def write_body(self, body: bytes) -> bool:
+        if self.declining:
+            return False
+        self.written.append(body)
+        return True
+
+
+def test_events_go_through_the_connections_link_and_through_send_where_it_declines():
+    link = Link()
+
+    async def events() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        link.declining = True
+        yield "data: 2\n\n"
+        link.declining = False
+        yield "data: 3\n\n"
+
+    async def scenario() -> Client:
+        client = Client()
+        scope = {"type": "http", "extensions": {CLIENT_LINK: link}}
+        await EventStream(events())(scope, client.receive, client.send)
+        return client
+
+    client = asyncio.run(asyncio.wait_for(scenario(), HANG_GUARD_S))
+    assert client.sent[0]["type"] == "http.response.start"  # the start goes through send: middleware sees it
+    assert link.written == [b"data: 1\n\n", b"data: 3\n\n"]
+    assert client.bodies() == [(b"data: 2\n\n", True), (b"", False)]  # and the end, which completes the answer

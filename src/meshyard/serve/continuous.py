@@ -30,7 +30,7 @@ import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import torch
 

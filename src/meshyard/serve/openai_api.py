@@ -28,7 +28,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Awaitable
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import torch
 from starlette.requests import Request
