@@ -240,6 +240,38 @@ def test_bad_prompts_and_failing_forwards_fail_alone(engine, executor):
     assert run(scenario()) == [alone(engine, *good), []]
 
 
+def test_prompts_of_one_length_prefill_in_one_forward_and_a_failing_one_fails_alone(engine, executor):
+    same = [(prompt(7, 60 + i), Sampling(max_new_tokens=3)) for i in range(3)]
+    other = (prompt(4, 70), Sampling(max_new_tokens=3))
+    poisoned = ([1, 2, 3, POISON, 4, 5, 6], Sampling(max_new_tokens=3))  # as long as ``same``
+    prefills: list[int] = []
+    forward = engine.module.forward
+
+    def counted(tokens, cache=None, slots=None, positions=None):
+        if tokens.shape[1] > 1:
+            prefills.append(tokens.shape[0])
+        return forward(tokens, cache=cache, slots=slots, positions=positions)
+
+    async def scenario() -> list[object]:
+        batcher = ContinuousBatcher(engine, max_batch_size=8, max_queue=8, executor=executor)
+        first = await asyncio.gather(*(batcher.submit(item, later()) for item in [*same, other]))
+        prefilled_together = list(prefills)
+        prefills.clear()
+        second = await asyncio.gather(*(batcher.submit(item, later()) for item in [same[0], poisoned, same[1]]),
+                                      return_exceptions=True)
+        return [first, prefilled_together, second]
+
+    engine.module.forward = counted
+    try:
+        first, prefilled_together, second = run(scenario())
+    finally:
+        del engine.module.forward
+    assert first == [alone(engine, *item) for item in [*same, other]]
+    assert sorted(prefilled_together) == [1, 3]  # one forward per length
+    assert second[0] == alone(engine, *same[0]) and second[2] == alone(engine, *same[1])
+    assert isinstance(second[1], Unavailable) and "cannot take this token" in str(second[1])
+
+
 def test_a_model_without_a_kv_cache_is_refused(executor):
     with pytest.raises(TypeError, match="does not implement the KV-cache protocol"):
         ContinuousBatcher(EagerEngine(MLP(VOCAB, d_model=8), VOCAB, CONTEXT), max_batch_size=2, max_queue=2,

@@ -35,7 +35,7 @@ from typing import AsyncIterator, Callable, Sequence
 import torch
 
 from meshyard.inference.checks import check_sequences
-from meshyard.inference.decoding import decode_step, device_of, prefill, require_kv_cache
+from meshyard.inference.decoding import decode_step, device_of, prefill, prefill_together, require_kv_cache
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache
@@ -310,21 +310,41 @@ class ContinuousBatcher:
         return prefilled + len(rows)
 
     def _prefill(self, admitted: list[_Request]) -> int:
-        """Each admitted prompt into its slot and its first token; a prompt whose forward
-        fails marks only its own request failed."""
-        ready, logits = [], []
+        """Each admitted prompt into its slot and its first token, the prompts of one length in
+        one forward (16 prompts of 32 tokens prefilled one by one cost a small model most of a
+        step's time); a prompt whose forward fails marks only its own request failed."""
+        by_length: dict[int, list[_Request]] = {}
         for request in admitted:
-            try:
-                logits.append(prefill(self.engine.module, self._cache, request.slot, request.prompt))
-            except Exception as error:  # noqa: BLE001 - answered as Unavailable by _iterate
-                log.exception("the prefill of a %d-token prompt failed", len(request.prompt))
-                request.failure = error
-                continue
-            request.generator = generator_for(request.sampling)
-            ready.append(request)
+            by_length.setdefault(len(request.prompt), []).append(request)
+        ready, logits = [], []
+        for group in by_length.values():
+            for request, after in self._prefill_group(group):
+                request.generator = generator_for(request.sampling)
+                ready.append(request)
+                logits.append(after)
         if ready:
             self._choose(ready, torch.stack(logits))
         return len(ready)
+
+    def _prefill_group(self, group: list[_Request]) -> list[tuple[_Request, torch.Tensor]]:
+        """``group``'s prompts (of one length) prefilled, with the logits after each; when the
+        forward fails, each prompt again alone, so that only a failing one's request fails
+        (answered as Unavailable by _iterate)."""
+        module, cache = self.engine.module, self._cache
+        if len(group) > 1:
+            try:
+                together = prefill_together(module, cache, [r.slot for r in group], [r.prompt for r in group])
+                return list(zip(group, together))
+            except Exception:  # noqa: BLE001 - which prompt failed is found one by one
+                log.debug("a prefill of %d prompts failed; prefilling them one by one", len(group), exc_info=True)
+        done = []
+        for request in group:
+            try:
+                done.append((request, prefill(module, cache, request.slot, request.prompt)))
+            except Exception as error:  # noqa: BLE001
+                log.exception("the prefill of a %d-token prompt failed", len(request.prompt))
+                request.failure = error
+        return done
 
     def _choose(self, rows: list[_Request], logits: torch.Tensor) -> None:
         """Each row's next token from its logits row, with its own sampling and generator
