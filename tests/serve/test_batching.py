@@ -317,3 +317,27 @@ def test_clients_are_asked_at_once_or_together_and_a_failing_check_keeps_its_req
     with pytest.raises(StopIteration) as finished:  # nothing to await: it never gave the event loop a turn
         at_once.send(None)
     assert finished.value.value == [False, True]
+
+
+class Unprintable(int):
+    """An item whose repr must never be made: a request's repr holds its prompt and engine."""
+
+    def __repr__(self) -> str:
+        raise AssertionError("the batcher formatted an item's repr")
+
+
+def test_a_caller_that_stops_waiting_for_a_running_item_leaves_without_formatting_it(executor):
+    recorder = Recorder()
+    batcher = make(recorder, executor, max_batch_size=1, max_wait_ms=0)
+
+    async def main() -> None:
+        recorder.hold()
+        running = asyncio.ensure_future(batcher.submit(Unprintable(3), later()))
+        await until_running(recorder, batcher)
+        running.cancel()  # a stream's reader that has all its tokens stops waiting for the answer
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        recorder.release()
+        assert await batcher.submit(4, later()) == 8
+
+    run(main())

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import Any
 
@@ -162,3 +163,42 @@ def test_a_guarded_connection_gives_each_request_its_link_which_sees_the_client_
     assert before == [False, False]
     assert after == [False, True]  # only the answer under way lost its client
     assert sent.count(b"9\r\ndata: 1\n\n\r\n") == 2 and sent.count(b"0\r\n\r\n") == 1
+
+
+def test_the_answer_under_way_learns_its_client_left_with_requests_pipelined_after_it_and_answers_are_freed():
+    links: list[ClientLink] = []
+    started, left = asyncio.Event(), asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        links.append(scope["extensions"][CLIENT_LINK])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if len(links) == 1:  # a short answer: once given, nothing keeps its request's parts
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        started.set()
+        while not links[-1].gone():  # a stream, writing until its client is gone
+            await asyncio.sleep(0)
+        left.set()
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        config.load()
+        protocol = guarded_protocol(10.0, 16, app)(config=config, server_state=ServerState(), app_state={})
+        protocol.connection_made(Transport())  # type: ignore[arg-type]
+        request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+        protocol.data_received(request)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        protocol.data_received(request * 2)  # the stream, and a request pipelined after it
+        await asyncio.wait_for(started.wait(), 10)
+        first_freed = links[0]._cycle() is None  # without the garbage collector: no reference cycle
+        protocol.connection_lost(None)
+        await asyncio.wait_for(left.wait(), 10)  # the stream saw its client leave
+        return first_freed, left.is_set(), len(links) == 2
+
+    gc.disable()
+    try:
+        first_freed, stream_gone, pipelined_never_ran = asyncio.run(scenario())
+    finally:
+        gc.enable()
+    assert (first_freed, stream_gone, pipelined_never_ran) == (True, True, True)

@@ -177,10 +177,11 @@ class DynamicBatcher(Generic[T, R]):
 
     def _abandon(self, pending: _Pending[T, R], error: BaseException | None) -> None:
         """The caller stops waiting: the item leaves the queue if it is still there."""
-        try:
+        # Asked first, not caught: deque.remove's ValueError formats the missing item's repr
+        # (its prompt, its engine), which cost a streamed answer more than its events did.
+        if pending in self._queue:
             self._queue.remove(pending)
-        except ValueError:  # already cut into a batch (it may still run; its answer is dropped)
-            pass
+        # Else it was already cut into a batch (it may still run; its answer is dropped).
         if error is not None:
             self._settle(pending, error)
         elif not pending.future.done():

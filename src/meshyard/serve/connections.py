@@ -42,6 +42,7 @@ import asyncio
 import json
 import logging
 import resource
+import weakref
 from typing import Any, Awaitable, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -99,6 +100,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._held_bytes = 0  # bytes read since the parser last passed a part of a message on
         self._passed_on = False  # during one read: the parser passed a part on
         self._refused = False  # refused 431: nothing more is parsed
+        self._unanswered: list[RequestResponseCycle] = []  # the answer under way and those queued after it
         super().connection_made(TurnWriter(transport, self.loop))  # type: ignore[arg-type]
         if len(self.connections) > self.max_connections and self.refusal is not None:
             self.app = self.refusal
@@ -150,6 +152,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:  # the request's cycle (not an upgrade)
             self.scope.setdefault("extensions", {})[CLIENT_LINK] = ClientLink(self.cycle)
+            self._unanswered.append(self.cycle)
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -175,11 +178,19 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused and not self.pipeline and not self.transport.is_closing():
             self._answer_refusal()  # refused while answers were under way or queued: now they are sent
         super().on_response_complete()
+        self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        # uvicorn tells only the newest request; the answer under way when requests were
+        # pipelined after it must learn it too, or its stream would run on for nobody.
+        for cycle in self._unanswered:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._unanswered = []
 
     def _part_passed_on(self) -> None:
         self._passed_on, self._held_bytes = True, 0
@@ -248,19 +259,23 @@ class ClientLink:
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
+        # Weak: the cycle holds the scope that holds this link, and a strong reference would
+        # leave every request's cycle, scope and body to the garbage collector.
+        self._cycle = weakref.ref(cycle)
 
     def gone(self) -> bool:
-        """Whether the client closed its connection before the answer was complete."""
-        return self._cycle.disconnected
+        """Whether the client closed its connection before the answer was complete (no longer
+        asked once it is: by then nothing holds the cycle, and the answer counts as given)."""
+        cycle = self._cycle()
+        return cycle is not None and cycle.disconnected
 
     def write_body(self, body: bytes) -> bool:
         """Writes ``body`` as the next part of a started chunked answer and says True; says
         False, writing nothing, where ``send`` must carry it instead: the answer is not a
         started chunked one, or the client is gone or reads slower than the server writes
         (``send`` then waits for the client, so a slow reader does not grow the buffer)."""
-        cycle = self._cycle
-        if (cycle.disconnected or not cycle.response_started or cycle.response_complete or not body
+        cycle = self._cycle()
+        if (cycle is None or cycle.disconnected or not cycle.response_started or cycle.response_complete or not body
                 or not cycle.chunked_encoding or cycle.flow.write_paused or cycle.scope["method"] == "HEAD"):
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))

@@ -17,8 +17,9 @@ last looked, each a list); a caller that stops reading (a stop string met, a cli
 gives up its slot before the next step.
 
 Each step runs in the server's inference executor, never on the event loop. A row's tokens
-equal what ``generate`` gives for it alone: greedy rows exactly, sampled rows too since each
-draws from its own generator.
+are what ``generate`` gives for it alone, greedy and sampled (each row draws from its own
+generator): batched forwards agree with a row's own to float rounding, so only logits tied
+that closely could pick another token.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class ContinuousBatcher:
         self._cache: KVCache | None = None
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._prefill_fell_back = False  # a prefill together failed (warned once)
 
     @property
     def waiting(self) -> int:
@@ -336,7 +338,12 @@ class ContinuousBatcher:
                 together = prefill_together(module, cache, [r.slot for r in group], [r.prompt for r in group])
                 return list(zip(group, together))
             except Exception:  # noqa: BLE001 - which prompt failed is found one by one
-                log.debug("a prefill of %d prompts failed; prefilling them one by one", len(group), exc_info=True)
+                # Said once: a forward that always fails together (out of memory) would
+                # otherwise make every step prefill one prompt at a time unseen.
+                log.log(logging.DEBUG if self._prefill_fell_back else logging.WARNING,
+                        "a prefill of %d prompts together failed; prefilling them one at a time (said once, "
+                        "then at debug level)", len(group), exc_info=True)
+                self._prefill_fell_back = True
         done = []
         for request in group:
             try:
