@@ -167,43 +167,70 @@ class TextStream:
     """The text of one completion as its tokens come: ``add`` returns the text newly decided,
     ``finish`` says why the completion ended ("stop" at a stop string, None while it goes on).
     The text the deltas add up to is the completion's whole text, cut before its first stop
-    string, however the tokens were split into steps."""
+    string, however the tokens were split into steps.
+
+    Each step decodes a window, not the whole completion (a completion of n tokens decoded
+    whole at every step costs O(n^2)): the tokens decided at the step before serve as context
+    for the new ones (a subword tokenizer renders a token's leading space, or merges bytes
+    into one character, by what precedes it), and the new text is what decoding the window
+    with the new tokens adds to decoding it without them. Text ending in an incomplete
+    character waits for the tokens that complete it; the last ``end`` decodes everything
+    once to give what is left exactly."""
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.tokens: list[int] = []
-        self.sent = ""
+        self.text = ""  # the text of tokens[:_read], once it is made of whole characters
+        self.sent = ""  # the part of ``text`` given out by add (or end)
         self.finish: str | None = None
+        self._context = 0  # tokens[_context:_read] are decoded again with the new ones
+        self._read = 0
+        self._searched = 0  # text[:_searched] holds no stop string
 
     def add(self, tokens: list[int]) -> str:
         """The text ``tokens`` decide, after those before."""
         self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens)
-        cuts = [i for i in (text.find(stop) for stop in self.stop) if i >= 0]
-        if cuts:
+        before = self.tokenizer.decode(self.tokens[self._context:self._read])
+        after = self.tokenizer.decode(self.tokens[self._context:])
+        if len(after) > len(before) and after.startswith(before) and not after.endswith(UNDECIDED):
+            self.text += after[len(before):]
+            self._context, self._read = self._read, len(self.tokens)
+        cut = self._first_stop()
+        if cut is not None:
             self.finish = "stop"
-            return self._delta(text[: min(cuts)])
-        return self._delta(text[: len(text) - self._held(text)])
+            return self._delta(self.text[:cut])
+        return self._delta(self.text[: len(self.text) - self._held()])
 
     def end(self) -> str:
         """The text still held back once no token follows."""
-        return self._delta(self.tokenizer.decode(self.tokens))
+        whole = self.tokenizer.decode(self.tokens)
+        return self._delta(whole if whole.startswith(self.text) else self.text)
 
-    def _held(self, text: str) -> int:
-        """How many characters at the end are undecided: an incomplete character, or the start
-        of a stop string."""
-        held = len(text) - len(text.rstrip(UNDECIDED))
+    def _first_stop(self) -> int | None:
+        """Where the first stop string starts in ``text``, searching only what is new (and a
+        stop string's length before it, for one that began in the text searched before)."""
+        cuts = []
         for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:size]):
+            found = self.text.find(stop, max(0, self._searched - len(stop) + 1))
+            if found >= 0:
+                cuts.append(found)
+        self._searched = len(self.text)
+        return min(cuts) if cuts else None
+
+    def _held(self) -> int:
+        """How many characters at the end could start a stop string."""
+        held = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:size]):
                     held = max(held, size)
                     break
         return held
 
     def _delta(self, text: str) -> str:
-        # A subword tokenizer may re-decode earlier text differently: wait until it agrees again.
-        if not text.startswith(self.sent):
+        # Never taken back: a text that no longer extends what was given out waits.
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
