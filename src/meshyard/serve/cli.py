@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -239,7 +240,13 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, stop)
     server = Server(cfg, router, chat_template=chat_template)
-    asyncio.run(serve_until_stopped(build_app(server), sock, args.ready_file, stop, cfg))
+    app = build_app(server)
+    # What the imports and the app made lives as long as the server: frozen out of the
+    # collector's reach, a full collection takes under 1 ms instead of ~170 ms (torch's
+    # objects alone are hundreds of thousands), a pause every few thousand requests.
+    gc.collect()
+    gc.freeze()
+    asyncio.run(serve_until_stopped(app, sock, args.ready_file, stop, cfg))
     return 0
 
 
