@@ -151,8 +151,8 @@ def test_a_deadline_that_passes_mid_stream_ends_it_with_the_refusal(engine, exec
 
 def test_steps_that_are_ready_together_are_read_together_and_in_order():
     async def submit(feed: StepFeed) -> list[int]:
-        feed.steps.put_nowait([7])
-        feed.steps.put_nowait([8])  # both before the reader runs: a loop slower than decoding
+        feed.steps.put([7])
+        feed.steps.put([8])  # both before the reader runs: a loop slower than decoding
         return [7, 8, 9]  # an engine that handed over no step for the last token
 
     async def scenario() -> list[list[list[int]]]:

@@ -41,6 +41,7 @@ from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache
 from meshyard.serve.batching import SHUTTING_DOWN, ClientDisconnected, DisconnectCheck, call_hook, clients_gone
+from meshyard.serve.inbox import Inbox
 from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ServeError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class _Request:
     generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
     failure: Exception | None = None  # its prefill failed (only this request fails)
-    updates: asyncio.Queue | None = None  # a streamed request's new tokens, then None at its end
+    updates: Inbox[list[int] | None] | None = None  # a streamed request's new tokens, then None at its end
     sent: int = 0  # how many of its tokens went into ``updates``
 
     @property
@@ -152,9 +153,7 @@ class ContinuousBatcher:
         expiry = asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0.0), self._expire, request)
         try:
             while True:
-                steps = [await updates.get()]
-                while not updates.empty():
-                    steps.append(updates.get_nowait())
+                steps = await updates.take()
                 if None in steps:  # answered, failed, expired or shut down
                     steps = steps[: steps.index(None)]
                     if steps:
@@ -198,7 +197,7 @@ class ContinuousBatcher:
                             "delay, or add replicas", retry_after_s=self._retry_after_s())
         future = asyncio.get_running_loop().create_future()
         request = _Request(prompt, sampling, deadline, is_disconnected, future,
-                           updates=asyncio.Queue() if streamed else None)
+                           updates=Inbox() if streamed else None)
         if time.monotonic() >= deadline:
             raise self._expired(request)
         if request.done:  # nothing to generate: no slot needed
@@ -223,7 +222,7 @@ class ContinuousBatcher:
     def _expire(self, request: _Request) -> None:
         """A stream's deadline passed: the request is abandoned and its reader gets its end."""
         self._abandon(request, self._expired(request))
-        request.updates.put_nowait(None)
+        request.updates.put(None)
 
     def _abandon(self, request: _Request, error: ServeError) -> None:
         """The caller stopped waiting: the loop drops the request before its next step."""
@@ -364,7 +363,7 @@ class ContinuousBatcher:
     def _send(request: _Request) -> None:
         """A streamed request's tokens that its reader has not had yet."""
         if request.updates is not None and request.sent < len(request.tokens):
-            request.updates.put_nowait(request.tokens[request.sent:])
+            request.updates.put(request.tokens[request.sent:])
             request.sent = len(request.tokens)
 
     def _resolve(self, request: _Request, *, result: list[int] | None = None,
@@ -378,7 +377,7 @@ class ContinuousBatcher:
                 self._abandon(request, error)
         if request.updates is not None:
             self._send(request)
-            request.updates.put_nowait(None)
+            request.updates.put(None)
         self._remove(request)
 
     def _remove(self, request: _Request) -> None:

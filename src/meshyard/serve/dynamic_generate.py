@@ -23,6 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling
+from meshyard.serve.inbox import Inbox
 
 
 HANDOFF_TIMEOUT_S = 1.0  # a loop too busy to take a step that long: generation goes on regardless
@@ -33,7 +34,7 @@ class StepFeed:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.steps: asyncio.Queue[list[int] | None] = asyncio.Queue()  # None: the answer is in
+        self.steps: Inbox[list[int] | None] = Inbox()  # None: the answer is in
         self.left = False  # set by the reader on the loop, read by the inference thread
 
 
@@ -86,7 +87,7 @@ def maybe_sender(feeds: Sequence[StepFeed | None]) -> StepSender | None:
 
 def _deliver(parts: list[tuple[StepFeed, int]], taken: threading.Event) -> None:
     for feed, token in parts:
-        feed.steps.put_nowait([token])
+        feed.steps.put([token])
     # The readers just woken run first (the loop runs its callbacks in order).
     asyncio.get_running_loop().call_soon(taken.set)
 
@@ -105,14 +106,12 @@ async def streamed(submit: Callable[[StepFeed], Awaitable[list[int]]]) -> AsyncI
     answer = asyncio.ensure_future(submit(feed))
     # The end comes after every step: each step's delivery was queued on the loop before
     # the batch's answer was, so one queue carries both, in order, and a reader waits on it alone.
-    answer.add_done_callback(lambda _: feed.steps.put_nowait(None))
+    answer.add_done_callback(lambda _: feed.steps.put(None))
     answer.add_done_callback(_retrieve)
     sent = 0
     try:
         while True:
-            steps = [await feed.steps.get()]
-            while not feed.steps.empty():
-                steps.append(feed.steps.get_nowait())
+            steps = await feed.steps.take()
             ended = None in steps
             steps = steps[: steps.index(None)] if ended else steps
             if steps:
