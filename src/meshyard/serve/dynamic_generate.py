@@ -105,7 +105,7 @@ async def streamed(submit: Callable[[StepFeed], Awaitable[list[int]]]) -> AsyncI
     feed = StepFeed(asyncio.get_running_loop())
     answer = asyncio.ensure_future(submit(feed))
     # The end comes after every step: each step's delivery was queued on the loop before
-    # the batch's answer was, so one queue carries both, in order, and a reader waits on it alone.
+    # the batch's answer was, so one inbox carries both, in order, and a reader waits on it alone.
     answer.add_done_callback(lambda _: feed.steps.put(None))
     answer.add_done_callback(_retrieve)
     sent = 0
