@@ -84,10 +84,11 @@ def executor() -> Iterator[ThreadPoolExecutor]:
 
 
 def make(executor: ThreadPoolExecutor, clock: Clock, loader: Loader, budget: int = 0,
-         pinned: set[str] | None = None, on_evict=None) -> tuple[ModelCache, ServeMetrics]:  # noqa: ANN001
+         pinned: set[str] | None = None, on_evict=None,  # noqa: ANN001
+         footprint=None) -> tuple[ModelCache, ServeMetrics]:  # noqa: ANN001
     metrics = ServeMetrics()
     cache = ModelCache(loader, budget_bytes=budget, pinned=pinned or set(), executor=executor, metrics=metrics,
-                       clock=clock, on_evict=on_evict)
+                       clock=clock, on_evict=on_evict, footprint=footprint)
     return cache, metrics
 
 
@@ -225,3 +226,23 @@ def test_versions_of_one_name_are_cached_apart(executor):
     first, second = run(main())
     assert first is not second and loader.calls == ["m", "m"]
     assert cache.loaded(old) and cache.loaded(new)
+
+
+def test_what_serving_keeps_beside_a_model_counts_against_the_budget(executor):
+    clock = Clock()
+    # Each model keeps as much again beside its weights (a continuous batch's KV cache, say).
+    cache, metrics = make(executor, clock, Loader(clock), budget=250, footprint=lambda engine: 2 * engine.bytes)
+    first, second, big = source("first", 100), source("second", 100), source("big", 130)
+
+    async def main() -> list[object]:
+        await touch(cache, first)
+        clock.now += 1.0
+        await touch(cache, second)  # 200 + 200 would exceed 250: the idle first model goes
+        seen = [cache.loaded(first), cache.loaded(second), cache.total_bytes, cache.bytes_of(second),
+                metrics.registry.get_sample_value("meshyard_serve_model_bytes",
+                                                  {"model": "second", "version": "step-1.abcdef"})]
+        with pytest.raises(Unavailable, match="260 bytes, more than the whole memory budget"):
+            await touch(cache, big)  # 130 bytes of weights alone would have fitted
+        return seen
+
+    assert run(main()) == [False, True, 200, 200, 200]

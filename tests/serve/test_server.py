@@ -17,10 +17,16 @@ import httpx
 import pytest
 import torch
 
+from meshyard.config.sections import ServeConfig
+from meshyard.inference.engine import EagerEngine
 from meshyard.inference.loading import describe, load_engine
 from meshyard.inference.sampling import Sampling
 from meshyard.inference.tokenizer import ByteTokenizer
+from meshyard.models.gpt import GPT, GPTShape
+from meshyard.models.mlp import MLP
+from meshyard.serve.app import Server
 from meshyard.serve.cli import _standalone
+from meshyard.serve.routing import Router
 from tests.serve.servers import ServerProcess, concurrently, running_servers
 from tests.trained_runs import CUSTOM_MODEL
 
@@ -329,3 +335,16 @@ def test_a_missing_optional_package_names_its_extra(missing, argv, needs, capsys
     monkeypatch.setitem(sys.modules, missing, None)  # what an environment without it imports
     err = _refused(capsys, str(trained_run), *argv)
     assert needs in err and "pip install" in err
+
+
+@pytest.mark.parametrize("scheduler", ["dynamic", "continuous"])
+def test_a_models_footprint_counts_the_kv_cache_its_continuous_batch_keeps(scheduler):
+    server = Server(ServeConfig(scheduler=scheduler, max_batch_size=6), Router.from_specs([], []))
+    try:
+        gpt = EagerEngine(GPT(GPTShape(vocab_size=64, context_length=32, n_layer=2, n_head=2, d_model=16)), 64, 32)
+        no_cache = EagerEngine(MLP(64, d_model=8), 64, 32)
+        kv_bytes = gpt.module.init_kv_cache(6, 32).bytes  # as the continuous batcher makes it
+        assert server.footprint(gpt) == gpt.bytes + (kv_bytes if scheduler == "continuous" else 0)
+        assert server.footprint(no_cache) == no_cache.bytes  # served by dynamic batches either way
+    finally:
+        server.executor.shutdown()

@@ -488,7 +488,8 @@ class ServeConfig:
     )
     memory_budget_bytes: int = option(
         0, "Bytes the loaded models may take together, in the memory of serve.device (parameters and buffers "
-        "in serve.dtype; KV caches are not counted); above it, idle models are evicted (longest idle and "
+        "in serve.dtype, and with the continuous scheduler the KV cache each model's batch keeps: "
+        "max_batch_size sequences of its context); above it, idle models are evicted (longest idle and "
         "cheapest to load again first; pinned ones never). 0: no limit.",
     )
     pinned: list = option([], "Model names loaded at start-up and never evicted; /readyz waits for them.")

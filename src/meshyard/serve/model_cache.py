@@ -52,14 +52,19 @@ def _key(source: ModelSource) -> Key:
 class ModelCache:
     """The loaded engines, by (name, version). ``budget_bytes`` 0 means no limit; ``clock``
     (monotonic seconds) times idleness and loads; ``on_evict(key)`` follows each eviction, so
-    that whatever else holds the engine (a batcher bound to it) lets go of it too."""
+    that whatever else holds the engine (a batcher bound to it) lets go of it too.
+    ``footprint(engine)`` is what a loaded model counts against the budget (default: the
+    engine's own bytes), so that what serving keeps beside it for as long as it is loaded
+    counts too."""
 
     def __init__(self, load: Callable[[ModelSource], Engine], *, budget_bytes: int, pinned: set[str],
                  executor: Executor, metrics: ServeMetrics,
                  clock: Callable[[], float] = time.monotonic,
-                 on_evict: Callable[[Key], None] | None = None) -> None:
+                 on_evict: Callable[[Key], None] | None = None,
+                 footprint: Callable[[Engine], int] | None = None) -> None:
         self._load_fn = load
         self._on_evict = on_evict
+        self._footprint = footprint or (lambda engine: int(engine.bytes))
         self.budget_bytes = budget_bytes
         self.pinned = set(pinned)
         self._executor = executor
@@ -156,7 +161,7 @@ class ModelCache:
 
     def _admit(self, source: ModelSource, engine: Engine, seconds: float) -> None:
         """Keeps a freshly loaded engine, evicting others to fit its real size."""
-        size = int(engine.bytes)
+        size = int(self._footprint(engine))
         if self.budget_bytes > 0 and size > self.budget_bytes:
             raise Unavailable(
                 f"model '{source.name}' version '{source.version}' takes {size} bytes, more than the whole "
