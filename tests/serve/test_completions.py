@@ -36,14 +36,29 @@ def metaspace_bpe() -> TextTokenizer:
     return TextTokenizer.from_str(tokenizer.to_str())
 
 
+def llama_like_bpe() -> TextTokenizer:
+    """Spaces as "▁" and byte fallback: a character outside the vocabulary is its UTF-8 bytes
+    as tokens <0x..>, and "\n" is the token <0x0A>. Its decoder turns a whole run of byte
+    tokens that is not valid UTF-8 into U+FFFD, the newline before a stray byte included."""
+    tk = tokenizers_module()
+    tokenizer = tk.Tokenizer(tk.models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = tk.normalizers.Sequence([tk.normalizers.Prepend("▁"), tk.normalizers.Replace(" ", "▁")])
+    trainer = tk.trainers.BpeTrainer(vocab_size=320, limit_alphabet=40, show_progress=False,
+                                     special_tokens=["<unk>", *(f"<0x{i:02X}>" for i in range(256))])
+    tokenizer.train_from_iterator([TEXT] * 4, trainer)
+    tokenizer.decoder = tk.decoders.Sequence([tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(),
+                                              tk.decoders.Fuse(), tk.decoders.Strip(" ", 1, 0)])
+    return TextTokenizer.from_str(tokenizer.to_str())
+
+
 @pytest.fixture(scope="module")
 def tokenizers() -> dict[str, object]:
     return {"bytes": ByteTokenizer(), "byte-level BPE": TextTokenizer.from_str(train_bpe([TEXT] * 4, 300,
                                                                                           report=lambda _: None)),
-            "metaspace BPE": metaspace_bpe()}
+            "metaspace BPE": metaspace_bpe(), "llama-like BPE": llama_like_bpe()}
 
 
-@pytest.mark.parametrize("kind", ["bytes", "byte-level BPE", "metaspace BPE"])
+@pytest.mark.parametrize("kind", ["bytes", "byte-level BPE", "metaspace BPE", "llama-like BPE"])
 @pytest.mark.parametrize("seed", range(5))
 def test_the_deltas_add_up_to_the_whole_text_whatever_the_steps(tokenizers, kind, seed):
     tokenizer = tokenizers[kind]
@@ -88,3 +103,24 @@ def test_each_step_decodes_a_window_not_the_whole_completion():
     deltas = [stream.add([token]) for token in tokens]
     assert "".join(deltas) + stream.end() == TEXT
     assert max(decoded[:-1]) <= 8  # a 4-byte character and its context at most; only end decodes all
+
+
+def test_a_stop_string_met_in_a_step_that_ends_inside_a_character_stops_there():
+    tokenizer = ByteTokenizer()
+    stream = TextStream(tokenizer, ["\n"])
+    assert stream.add(tokenizer.encode("Hi")) == "Hi"
+    # The step brings the stop string and the first byte of a three-byte character.
+    assert stream.add([*tokenizer.encode("\n"), 0xE2]) == "" and stream.finish == "stop"
+    stream = TextStream(tokenizer, ["ne. "])
+    assert stream.add([*tokenizer.encode("Done. "), 0xF0]) == "Do" and stream.finish == "stop"
+
+
+def test_text_after_a_byte_run_the_decoder_rewrites_still_comes_and_still_stops(tokenizers):
+    tokenizer = tokenizers["llama-like BPE"]
+    newline, stray = tokenizer.tokenizer.token_to_id("<0x0A>"), tokenizer.tokenizer.token_to_id("<0xE2>")
+    steps = [[token] for token in tokenizer.encode("Hello")] + [[newline], [stray]]
+    steps += [[token] for token in tokenizer.encode(" Then more text STOP and after")]
+    stream = TextStream(tokenizer, ["STOP"])
+    deltas = [stream.add(step) for step in steps if stream.finish is None]
+    assert stream.finish == "stop"  # once the byte run decodes as U+FFFD, the newline before it included
+    assert "".join(deltas).startswith("Hello") and "".join(deltas).endswith("Then more text ")

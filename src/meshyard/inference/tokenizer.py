@@ -52,10 +52,11 @@ class ByteTokenizer:
         """The text of ``ids``. A completion may stop inside a multi-byte character, and a
         model with a vocabulary wider than 256 may emit an id that is no byte: both come out
         as U+FFFD rather than an error, so a request never fails on what the model wrote."""
-        try:
-            return bytes(ids).decode("utf-8", errors="replace")
-        except ValueError:  # an id that is no byte: the slow way below
-            pass
+        if isinstance(ids, list):  # bytes() of an array would read its memory, of an iterator use it up
+            try:
+                return bytes(ids).decode("utf-8", errors="replace")
+            except ValueError:  # an id that is no byte: the slow way below
+                pass
         out: list[str] = []
         run: list[int] = []
         for token in ids:

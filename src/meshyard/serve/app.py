@@ -87,11 +87,16 @@ class Server:
         """The bytes a loaded model holds while it is loaded: its weights and buffers, and with
         the continuous scheduler the KV cache its batcher keeps (``max_batch_size`` sequences of
         its whole context: for a gpt2-124m shape in bf16 with 16 slots, 600 MB beside 250 MB of
-        weights). A dynamic batch's cache lives only while its batch runs and is not counted."""
+        weights), counted from its loading on, even while it is asked for logits only. A dynamic
+        batch's cache lives only while its batch runs and is not counted."""
         size = int(engine.bytes)
         if self.cfg.scheduler == "continuous" and _has_kv_cache(engine):
             module = engine.module  # type: ignore[attr-defined]
-            size += module.init_kv_cache(self.cfg.max_batch_size, engine.context_length, device="meta").bytes
+            try:
+                size += module.init_kv_cache(self.cfg.max_batch_size, engine.context_length, device="meta").bytes
+            except Exception:  # noqa: BLE001 - a cache that cannot be sized is found out when it is made
+                log.warning("the KV cache of a %s could not be sized on the meta device; the memory budget counts "
+                            "its weights only", type(module).__name__, exc_info=True)
         return size
 
     def pinned_sources(self) -> list[ModelSource]:

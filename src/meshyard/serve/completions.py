@@ -170,19 +170,19 @@ class TextStream:
     string, however the tokens were split into steps.
 
     Each step decodes a window, not the whole completion (a completion of n tokens decoded
-    whole at every step costs O(n^2)): the tokens decided at the step before serve as context
-    for the new ones (a subword tokenizer renders a token's leading space, or merges bytes
-    into one character, by what precedes it), and the new text is what decoding the window
-    with the new tokens adds to decoding it without them. Text ending in an incomplete
-    character waits for the tokens that complete it; the last ``end`` decodes everything
-    once to give what is left exactly."""
+    whole at every step costs O(n^2)): the tokens committed at the step before serve as
+    context for the new ones (a subword tokenizer renders a token's leading space, or merges
+    bytes into one character, by what precedes it), and the new text is what decoding the
+    window with the new tokens adds to decoding it without them. New text ending in an
+    incomplete character is not committed until the tokens that complete it come, but what
+    precedes that character is decided (and searched for stop strings) at once."""
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.tokens: list[int] = []
-        self.text = ""  # the text of tokens[:_read], once it is made of whole characters
-        self.sent = ""  # the part of ``text`` given out by add (or end)
+        self.text = ""  # the committed text: that of tokens[:_read], made of whole characters
+        self.sent = ""  # the text given out so far
         self.finish: str | None = None
         self._context = 0  # tokens[_context:_read] are decoded again with the new ones
         self._read = 0
@@ -191,45 +191,59 @@ class TextStream:
     def add(self, tokens: list[int]) -> str:
         """The text ``tokens`` decide, after those before."""
         self.tokens += tokens
-        before = self.tokenizer.decode(self.tokens[self._context:self._read])
-        after = self.tokenizer.decode(self.tokens[self._context:])
-        if len(after) > len(before) and after.startswith(before) and not after.endswith(UNDECIDED):
-            self.text += after[len(before):]
-            self._context, self._read = self._read, len(self.tokens)
-        cut = self._first_stop()
-        if cut is not None:
-            self.finish = "stop"
-            return self._delta(self.text[:cut])
-        return self._delta(self.text[: len(self.text) - self._held()])
+        new = self._new_text()
+        if new and not new.endswith(UNDECIDED):
+            self.text += new
+            self._context, self._read, new = self._read, len(self.tokens), ""
+        return self._decide(self.text + new.rstrip(UNDECIDED), final=False)
 
     def end(self) -> str:
-        """The text still held back once no token follows."""
-        whole = self.tokenizer.decode(self.tokens)
-        return self._delta(whole if whole.startswith(self.text) else self.text)
+        """The text still held back once no token follows (a stop string in it ends it there)."""
+        self.text += self._new_text()
+        self._context = self._read = len(self.tokens)
+        return self._decide(self.text, final=True)
 
-    def _first_stop(self) -> int | None:
-        """Where the first stop string starts in ``text``, searching only what is new (and a
-        stop string's length before it, for one that began in the text searched before)."""
-        cuts = []
-        for stop in self.stop:
-            found = self.text.find(stop, max(0, self._searched - len(stop) + 1))
-            if found >= 0:
-                cuts.append(found)
+    def _new_text(self) -> str:
+        """What the tokens after ``_read`` add to the committed text."""
+        before = self.tokenizer.decode(self.tokens[self._context:self._read])
+        after = self.tokenizer.decode(self.tokens[self._context:])
+        if not after.startswith(before):
+            # The context decodes otherwise now (a byte-fallback decoder turns a whole broken
+            # byte run into U+FFFD): the new tokens are decoded alone from here on.
+            self._context = self._read
+            return self.tokenizer.decode(self.tokens[self._read:])
+        return after[len(before):]
+
+    def _decide(self, text: str, *, final: bool) -> str:
+        """Gives out ``text`` up to its first stop string (then the completion is finished),
+        else all of it but an end that could start one (all of it when ``final``)."""
+        cut = self._first_stop(text)
+        if cut is not None:
+            self.finish = "stop"
+            return self._delta(text[:cut])
+        return self._delta(text if final else text[: len(text) - self._held(text)])
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the first stop string starts in ``text``, searching what is new since the
+        committed text was last searched (from a stop string's length before it, for one
+        that began in the text searched before)."""
+        cuts = [found for found in (text.find(stop, max(0, self._searched - len(stop) + 1)) for stop in self.stop)
+                if found >= 0]
         self._searched = len(self.text)
         return min(cuts) if cuts else None
 
-    def _held(self) -> int:
-        """How many characters at the end could start a stop string."""
+    def _held(self, text: str) -> int:
+        """How many characters at the end of ``text`` could start a stop string."""
         held = 0
         for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:size]):
+            for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:size]):
                     held = max(held, size)
                     break
         return held
 
     def _delta(self, text: str) -> str:
-        # Never taken back: a text that no longer extends what was given out waits.
+        # Never taken back: a text that does not extend what was given out waits.
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text

@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 class Inbox(Generic[T]):
-    """Items from the batcher to one reader (both on the event loop)."""
+    """Items from the batcher to one reader (both on the event loop; one reader at a time)."""
 
     __slots__ = ("_items", "_waiter")
 
@@ -32,10 +32,11 @@ class Inbox(Generic[T]):
     async def take(self) -> list[T]:
         """Every item put since the last take, in order; waits for one while there is none."""
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                await waiter
             finally:
-                self._waiter = None
+                if self._waiter is waiter:
+                    self._waiter = None
         items, self._items = self._items, []
         return items

@@ -310,7 +310,8 @@ async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokeniz
                 context = prompt + text.tokens if call.logprobs is not None else []
                 delta = text.add(tokens)
                 if text.finish is None and len(text.tokens) >= sampling.max_new_tokens:
-                    text.finish, delta = "length", delta + text.end()
+                    delta += text.end()  # which may still meet a stop string
+                    text.finish = text.finish or "length"
                 logprobs = None
                 if call.logprobs is not None:
                     logprobs = await _logprobs(server, engine, tokenizer, context, tokens, call.logprobs, offset)
@@ -323,7 +324,8 @@ async def _choice(server: Server, lane: Lane, engine: Engine, tokenizer: Tokeniz
                 break  # leaving the source frees the choice's row at the next step
             yield ready
         else:
-            ready = [Event(index, echo + text.end(), 0, "length")]
+            rest = text.end()
+            ready = [Event(index, echo + rest, 0, text.finish or "length")]
     yield ready
 
 
