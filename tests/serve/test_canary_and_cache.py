@@ -21,6 +21,7 @@ from tests.serve.redis import start_redis
 from tests.serve.servers import ServerProcess, concurrently, running_servers
 
 CANARY_WEIGHT = 0.3
+MAX_BATCH_SIZE = 4  # slots of each tiny's continuous batch, whose KV cache the budget counts
 REQUESTS = 2000
 LOGITS = "/v1/models/tiny/logits"
 
@@ -40,12 +41,14 @@ def budget(trained_run: Path, custom_model_run: Path, engines: dict[str, Any]) -
     """Room for both versions of tiny, or for one of them and the other model, never all three.
 
     The model cache makes room for a model before loading it by its estimate (its checkpoint's
-    tensors) and keeps it by its real size, so the budget lies
-    between what loading the second tiny needs beside the first and what loading the other
-    model needs beside both."""
+    tensors) and keeps it by what it holds once loaded (under the continuous scheduler, its
+    weights and its batch's KV cache), so the budget lies between what both tinys hold
+    (loading the second beside the first also needs its estimate free) and what loading the
+    other model needs beside both."""
     tiny, other = describe(str(trained_run)), describe(str(custom_model_run))
-    tiny_bytes = engines["tiny"].bytes
-    low, high = tiny_bytes + tiny.estimated_bytes, 2 * tiny_bytes + other.estimated_bytes
+    tiny_bytes = engines["tiny"].bytes + engines["tiny"].module.init_kv_cache(MAX_BATCH_SIZE, device="meta").bytes
+    low = max(tiny_bytes + tiny.estimated_bytes, 2 * tiny_bytes)
+    high = 2 * tiny_bytes + other.estimated_bytes
     assert engines["other"].bytes + tiny_bytes < low < high, (tiny_bytes, tiny.estimated_bytes, other)
     return (low + high) // 2
 
@@ -53,7 +56,8 @@ def budget(trained_run: Path, custom_model_run: Path, engines: dict[str, Any]) -
 @pytest.fixture(scope="module")
 def canary(tmp_path_factory, trained_run, second_run, custom_model_run, budget) -> ServerProcess:
     args = [f"tiny={trained_run}", f"other={custom_model_run}", "--canary", f"tiny={second_run}:{CANARY_WEIGHT}",
-            f"--serve.memory_budget_bytes={budget}", "--scheduler", "continuous", "--serve.threads=1"]
+            f"--serve.memory_budget_bytes={budget}", "--scheduler", "continuous", "--serve.threads=1",
+            f"--serve.max_batch_size={MAX_BATCH_SIZE}"]
     with running_servers(tmp_path_factory.mktemp("canary"), [args]) as (server,):
         yield server
 
