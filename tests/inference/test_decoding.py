@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshyard.inference.decoding import generate_with_cache
+from meshyard.inference.decoding import PREFILL_TOKENS, prefill_groups, generate_with_cache
 from meshyard.inference.engine import EagerEngine, generate_by_recomputing
 from meshyard.inference.sampling import Sampling
 from meshyard.models.gpt import GPT, GPTShape
@@ -114,3 +114,13 @@ def test_a_cache_made_for_one_call_decodes_without_the_every_slot_step(engine, m
     cached = generate_with_cache(engine.module, prompts, sampling, CONTEXT, VOCAB)
     assert cached == recomputed(engine, prompts, sampling)
     assert [cache.step_graph for cache in made] == [None] and not made[0].every_slot_steps
+
+
+def test_prompts_prefill_together_by_length_within_the_tokens_a_forward_takes():
+    quarter = PREFILL_TOKENS // 4  # four such prompts fill a forward
+    lengths = [7, quarter, 7, quarter, 2 * PREFILL_TOKENS, quarter, 7, quarter, quarter, quarter]
+    groups = prefill_groups(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))  # each prompt once
+    assert all(len({lengths[i] for i in group}) == 1 for group in groups)  # of one length
+    assert [0, 2, 6] in groups and [4] in groups  # a prompt longer than the bound goes alone
+    assert [1, 3, 5, 7] in groups and [8, 9] in groups  # at most PREFILL_TOKENS tokens a forward

@@ -24,6 +24,12 @@ from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache, supports_kv_cache
 from meshyard.models.outputs import logits_of
 
+PREFILL_TOKENS = 8192
+"""The most prompt tokens one prefill forward takes: its logits are (prompts, length,
+vocabulary), which for 16 prompts of 8k tokens and a vocabulary of 128k would take 33 GB in
+bf16; below it, prompts of one length prefill together (at the cost of about one prompt
+where reading the weights dominates)."""
+
 OnStep = Callable[[list[int], list[int]], Collection[int]]
 """on_step(rows, tokens) after each step of a batch's generation: ``tokens[i]`` is what row
 ``rows[i]`` (an index into the prompts) drew. It returns the rows to stop: they draw no
@@ -70,16 +76,27 @@ def decode_step(module: nn.Module, cache: KVCache, slots: Sequence[int], tokens:
     return logits[:, -1].float()
 
 
+def prefill_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """The indices of prompts of these ``lengths`` in groups that prefill together: prompts of
+    one length, at most ``PREFILL_TOKENS`` tokens a forward (a longer prompt alone)."""
+    by_length: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(index)
+    groups = []
+    for length, members in by_length.items():
+        size = max(1, PREFILL_TOKENS // max(length, 1))
+        groups += [members[start:start + size] for start in range(0, len(members), size)]
+    return groups
+
+
 def _prefill_by_length(module: nn.Module, cache: KVCache, slot_of: dict[int, int], prompts: list[list[int]],
                        rows: list[int]) -> torch.Tensor:
-    """Prefill ``rows``, prompts of equal length together; [len(rows), V] logits in row order."""
-    by_length: dict[int, list[int]] = {}
-    for row in rows:
-        by_length.setdefault(len(prompts[row]), []).append(row)
+    """Prefill ``rows`` in ``prefill_groups``; [len(rows), V] logits in row order."""
     after: dict[int, torch.Tensor] = {}
-    for group in by_length.values():
-        logits = prefill_together(module, cache, [slot_of[row] for row in group], [prompts[row] for row in group])
-        after.update(zip(group, logits))
+    for group in prefill_groups([len(prompts[row]) for row in rows]):
+        members = [rows[i] for i in group]
+        logits = prefill_together(module, cache, [slot_of[row] for row in members], [prompts[row] for row in members])
+        after.update(zip(members, logits))
     return torch.stack([after[row] for row in rows])
 
 

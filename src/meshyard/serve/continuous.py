@@ -36,7 +36,8 @@ from typing import AsyncIterator, Callable, Sequence
 import torch
 
 from meshyard.inference.checks import check_sequences
-from meshyard.inference.decoding import decode_step, device_of, prefill, prefill_together, require_kv_cache
+from meshyard.inference.decoding import (decode_step, device_of, prefill, prefill_groups, prefill_together,
+                                         require_kv_cache)
 from meshyard.inference.engine import Engine
 from meshyard.inference.sampling import Sampling, generator_for, next_tokens
 from meshyard.models.kv_cache import KVCache
@@ -311,15 +312,13 @@ class ContinuousBatcher:
         return prefilled + len(rows)
 
     def _prefill(self, admitted: list[_Request]) -> int:
-        """Each admitted prompt into its slot and its first token, the prompts of one length in
-        one forward (16 prompts of 32 tokens prefilled one by one cost a small model most of a
-        step's time); a prompt whose forward fails marks only its own request failed."""
-        by_length: dict[int, list[_Request]] = {}
-        for request in admitted:
-            by_length.setdefault(len(request.prompt), []).append(request)
+        """Each admitted prompt into its slot and its first token, the prompts of one length
+        together (``prefill_groups``: 16 prompts of 32 tokens prefilled one by one cost a small
+        model most of a step's time); a prompt whose forward fails marks only its own request
+        failed."""
         ready, logits = [], []
-        for group in by_length.values():
-            for request, after in self._prefill_group(group):
+        for group in prefill_groups([len(request.prompt) for request in admitted]):
+            for request, after in self._prefill_group([admitted[i] for i in group]):
                 request.generator = generator_for(request.sampling)
                 ready.append(request)
                 logits.append(after)
