@@ -31,7 +31,7 @@ from meshyard.inference.loading import load_engine
 from meshyard.inference.source import ModelSource
 from meshyard.models.kv_cache import supports_kv_cache
 from meshyard.serve.batching import ClientDisconnected, DisconnectCheck, DynamicBatcher
-from meshyard.serve.connections import CLIENT_LINK
+from meshyard.serve.connections import client_link
 from meshyard.serve.continuous import ContinuousBatcher
 from meshyard.serve.dynamic_generate import DynamicGenerateItem, run_generate
 from meshyard.serve.metrics import ServeMetrics
@@ -90,7 +90,7 @@ class Server:
         weights), counted from its loading on, even while it is asked for logits only. A dynamic
         batch's cache lives only while its batch runs and is not counted."""
         size = int(engine.bytes)
-        if self.cfg.scheduler == "continuous" and _has_kv_cache(engine):
+        if self._runs_continuously(engine):
             module = engine.module  # type: ignore[attr-defined]
             try:
                 size += module.init_kv_cache(self.cfg.max_batch_size, engine.context_length, device="meta").bytes
@@ -98,6 +98,11 @@ class Server:
                 log.warning("the KV cache of a %s could not be sized on the meta device; the memory budget counts "
                             "its weights only", type(module).__name__, exc_info=True)
         return size
+
+    def _runs_continuously(self, engine: Engine) -> bool:
+        """Whether ``engine``'s generate requests go to a continuous batcher (which keeps a KV
+        cache for as long as the model is loaded)."""
+        return self.cfg.scheduler == "continuous" and _has_kv_cache(engine)
 
     def pinned_sources(self) -> list[ModelSource]:
         """Every version of the pinned names."""
@@ -146,7 +151,7 @@ class Server:
         def on_queue_wait(seconds: float) -> None:
             self.metrics.observe_queue_wait(name, version, endpoint, seconds)
 
-        if endpoint == "generate" and cfg.scheduler == "continuous" and _has_kv_cache(engine):
+        if endpoint == "generate" and self._runs_continuously(engine):
             def on_step(size: int, seconds: float, new_tokens: int) -> None:
                 self.metrics.observe_batch(name, version, endpoint, size, seconds, new_tokens)
 
@@ -259,7 +264,7 @@ def disconnect_check(request: Request) -> DisconnectCheck:
     """How a batcher asks whether ``request``'s client left: its connection's ``ClientLink``,
     read at once, where the server gives one (``meshyard serve`` does); else Starlette's
     check, which must be awaited."""
-    link = request.scope.get("extensions", {}).get(CLIENT_LINK)
+    link = client_link(request.scope)
     return request.is_disconnected if link is None else link.gone
 
 

@@ -246,6 +246,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+def client_link(scope: dict[str, Any]) -> ClientLink | None:
+    """The ``ClientLink`` of a request, where its server gives one (``GuardedProtocol`` does)."""
+    return scope.get("extensions", {}).get(CLIENT_LINK)
+
+
 class ClientLink:
     """A request's connection as its route may use it beside ASGI's ``receive`` and ``send``
     (in the request's scope, under ``extensions[CLIENT_LINK]``): whether the client is gone,

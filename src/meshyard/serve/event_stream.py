@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.responses import Response
 
-from meshyard.serve.connections import CLIENT_LINK
+from meshyard.serve.connections import client_link
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -51,7 +51,7 @@ class EventStream(Response):
             gone = True
             writer.cancel()
 
-        link = scope.get("extensions", {}).get(CLIENT_LINK)
+        link = client_link(scope)
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
