@@ -3,6 +3,8 @@
 # in two parts that each fit one command of at most 10 minutes:
 #   bash scripts/gpu_checks.sh first    # the gpu tests, the async checkpoint's stall, one decoding step (~8 min)
 #   bash scripts/gpu_checks.sh second   # the training step against a compiled plain loop, the schedulers (~7 min)
+#   bash scripts/gpu_checks.sh all 570  # both, in that order, within 570 s: each check's time limit is cut
+#                                       # to what is left, and a check with under 40 s left is skipped
 # Figures go to stdout and to $OUT (default /tmp/gpu-checks): one text file per part run,
 # JSON figures, and decode_step's profile (operator tables in decode_step.txt, Chrome
 # traces packed into one archive).
@@ -24,33 +26,52 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-case "$part" in
-first)
+deadline=$(( $(date +%s) + ${2:-100000} ))
+# The time limit of a check: its own, or what is left before the deadline (less a margin for
+# the rest of the script); 0 when under 40 s are left.
+limit() {
+    local left=$(( deadline - $(date +%s) - 10 ))
+    if (( left < 40 )); then echo 0; elif (( left < $1 )); then echo "$left"; else echo "$1"; fi
+}
+skipped() { echo "   (skipped: under 40 s left before the deadline)"; }
+
+first() {
     echo "== pytest -m gpu"
     # To a file, not a pipe: a server a failed test leaves behind would hold a pipe open.
-    timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu > "$out/pytest.txt" 2>&1
+    t=$(limit 240); (( t )) || { skipped; return; }
+    timeout -k 5 "$t" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu > "$out/pytest.txt" 2>&1
     tail -15 "$out/pytest.txt"
     echo "== benchmarks/checkpoint.py (gpt2-124m, one process; target: stall <= 0.05 of a synchronous save)"
-    timeout -k 5 170 python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 3 > "$out/checkpoint.txt" 2>&1
+    t=$(limit 170); (( t )) || { skipped; return; }
+    timeout -k 5 "$t" python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 3 > "$out/checkpoint.txt" 2>&1
     grep -v "[│┌└├]" "$out/checkpoint.txt" | tail -20
     echo "== benchmarks/decode_step.py (gpt2-124m, bf16, 128-token prompts; target: 16 rows <= 5 ms)"
+    t=$(limit 90); (( t )) || { skipped; return; }
     mkdir -p "$out/decode"
-    timeout -k 5 90 python3 benchmarks/decode_step.py --device cuda --steps 100 --out "$out/decode_step.json" \
+    timeout -k 5 "$t" python3 benchmarks/decode_step.py --device cuda --steps 100 --out "$out/decode_step.json" \
         --profile "$out/decode/rows" > "$out/decode_step.txt" 2>&1
     grep "^rows" "$out/decode_step.txt"
     tar -czf "$out/decode_profile.tgz" -C "$out" decode && rm -rf "$out/decode"
-    ;;
-second)
+}
+
+second() {
     echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024; none and fsdp against the plain loop)"
-    timeout -k 5 260 python3 benchmarks/gpu_step.py --rounds 1 --fsdp --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
+    t=$(limit 260); (( t )) || { skipped; return; }
+    timeout -k 5 "$t" python3 benchmarks/gpu_step.py --rounds 1 --fsdp --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
     tail -25 "$out/gpu_step.txt"
     cp "$out/gpu_step.json" "benchmarks/results/gpu-$(date +%F).json" 2>/dev/null
     echo "== benchmarks/inference.py part 3 on CUDA (continuous against request-level batching; target >= 2.5x)"
-    timeout -k 5 150 python3 benchmarks/inference.py --sections 3 --loads all-at-once --device cuda > "$out/inference.txt" 2>&1
+    t=$(limit 150); (( t )) || { skipped; return; }
+    timeout -k 5 "$t" python3 benchmarks/inference.py --sections 3 --loads all-at-once --device cuda > "$out/inference.txt" 2>&1
     tail -8 "$out/inference.txt"
-    ;;
+}
+
+case "$part" in
+first) first ;;
+second) second ;;
+all) first; second ;;
 *)
-    echo "unknown part '$part': give 'first' or 'second'" >&2
+    echo "unknown part '$part': give 'first', 'second' or 'all [SECONDS]'" >&2
     exit 2
     ;;
 esac
