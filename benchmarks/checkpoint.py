@@ -30,6 +30,7 @@ run in turn on the same freshly spawned ranks (after a barrier, so start-up skew
 out), and rank 0's wall time is reported.
 
     python benchmarks/checkpoint.py [--model gpt-small] [--nproc 2] [--saves 3] [--interval STEPS]
+        [--records DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--interval", type=int, help="steps between async saves (default: see above)")
+    parser.add_argument("--records", type=Path, help="keep each run's metrics.jsonl here (sync, async, resumed)")
     args = parser.parse_args()
     steps = INTERVAL * args.saves + 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,6 +179,10 @@ def main() -> None:
             per_rank[entry["rank"]] += entry["size"]
         size = sum(p.stat().st_size for p in (root / "sync" / "checkpoints").glob("step-*/*"))
         checkpoints = len(list((root / "sync" / "checkpoints").glob("step-*")))
+        if args.records:
+            args.records.mkdir(parents=True, exist_ok=True)
+            for run in ("sync", "async", "resumed"):
+                shutil.copy(root / run / "metrics.jsonl", args.records / f"{run}.jsonl")
 
     saves = [r for r in async_records if "checkpoint_stall_s" in r]  # the step after each save
     calls = [r["checkpoint_stall_s"] for r in saves]

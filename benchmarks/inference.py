@@ -469,14 +469,32 @@ def poisson(count: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
+def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """How far two schedulers' greedy tokens agree: "same tokens: yes", or how many requests
+    differ and how many of their tokens came before the first difference."""
+    differing = [(a, b) for a, b in zip(ours, theirs) if a != b]
+    if not differing:
+        return "same tokens: yes"
+    before = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if any(x != y for x, y in zip(a, b))
+              else min(len(a), len(b)) for a, b in differing]
+    share = sum(before) / sum(len(b) for _, b in differing)
+    return (f"same tokens: {len(ours) - len(differing)} of {len(ours)} requests; the others agree for "
+            f"{share:.0%} of their tokens before their first difference")
+
+
 def compare(load: str, engine: EagerEngine, items: list[tuple[list[int], Sampling]], arrivals: list[float],
-            max_batch: int, executor: ThreadPoolExecutor, target: float) -> dict[str, Outcome]:
-    """Both schedulers under one load; prints their lines and the ratio against ``target``."""
+            max_batch: int, executor: ThreadPoolExecutor, target: float, exact: bool = True) -> dict[str, Outcome]:
+    """Both schedulers under one load; prints their lines and the ratio against ``target``.
+    ``exact``: their greedy tokens must be equal (fp32), else only their agreement is printed."""
     total = sum(s.max_new_tokens for _, s in items)
     outcomes = {kind: run_scheduler(kind, engine, items, arrivals, max_batch, executor)
                 for kind in ("request-level", "continuous")}
-    assert outcomes["continuous"].tokens == outcomes["request-level"].tokens, \
-        f"{load}: continuous and request-level batching gave different tokens for greedy requests"
+    agreement = token_agreement(outcomes["continuous"].tokens, outcomes["request-level"].tokens)
+    # In fp32 the schedulers must agree exactly. In bf16 a row's logits depend on the shapes its
+    # step ran in (the kernels' reduction order differs), and a near tie between two tokens of
+    # this untrained model can go either way: there the agreement is reported, not required.
+    assert not exact or agreement == "same tokens: yes", \
+        f"{load}: continuous and request-level batching gave different tokens for greedy requests ({agreement})"
     print(f"   {load}:")
     for kind, o in outcomes.items():
         steps, rows, seconds = o.decoding
@@ -489,7 +507,7 @@ def compare(load: str, engine: EagerEngine, items: list[tuple[list[int], Samplin
     overall = outcomes["request-level"].wall_s / outcomes["continuous"].wall_s
     ttft = percentile(outcomes["continuous"].ttft_s, 95) / percentile(outcomes["request-level"].ttft_s, 95)
     print(f"     continuous / request-level: {sustained:.2f}x tokens/s sustained, {overall:.2f}x to the last answer, "
-          f"{ttft:.2f}x p95 time to first token; same tokens: yes; target >= {target:g}x sustained tokens/s: "
+          f"{ttft:.2f}x p95 time to first token; {agreement}; target >= {target:g}x sustained tokens/s: "
           f"{verdict(sustained >= target)}", flush=True)
     return outcomes
 
@@ -524,15 +542,16 @@ def batching_runs(args: argparse.Namespace, preset: str, items: list[tuple[list[
           f"{scheduling_ceiling(costs, items, args.max_batch):.2f}x tokens/s over request-level batching at most")
     # First-call costs out of the way.
     executor.submit(engine.generate, [items[0][0]], [Sampling(max_new_tokens=4)]).result()
-    target = sustained_target(args.device)
-    at_once = compare("all at once", engine, items, [0.0] * len(items), args.max_batch, executor, target)
+    target, exact = sustained_target(args.device), args.dtype == "fp32"
+    at_once = compare("all at once", engine, items, [0.0] * len(items), args.max_batch, executor, target, exact)
     runs = [at_once]
     if "poisson" in args.loads:
         offered = at_once["continuous"].saturated_rate * args.poisson_load
         rate = offered / (total / len(items))
         runs.append(compare(f"Poisson arrivals, {rate:.2f} requests/s (offered {offered:.0f} tok/s, "
                             f"{args.poisson_load:g}x what continuous batching sustained all at once)",
-                            engine, items, poisson(len(items), rate, seed=11), args.max_batch, executor, target))
+                            engine, items, poisson(len(items), rate, seed=11), args.max_batch, executor, target,
+                            exact))
     return all(o["continuous"].saturated_rate >= target * o["request-level"].saturated_rate for o in runs)
 
 

@@ -9,7 +9,9 @@
 # JSON figures, and decode_step's profile (operator tables in decode_step.txt, Chrome
 # traces packed into one archive).
 # Packages such machines tend to lack (tomli-w; starlette, uvicorn, httptools and their few
-# dependencies for the server tests): put their wheels in wheels/, and those whose module
+# dependencies for the server tests): put their wheels in wheels/ (httptools' for the
+# device's Python: `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 -d wheels httptools==0.9.0`), and those whose module
 # is missing are installed from there without dependencies.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,8 @@ mkdir -p "$out"
 for pair in tomli_w:tomli_w starlette:starlette uvicorn:uvicorn h11:h11 httptools:httptools anyio:anyio click:click \
             prometheus_client:prometheus_client; do
     module="${pair%%:*}"; wheel="${pair##*:}"
-    python3 -c "import $module" 2>/dev/null || python3 -m pip install -q --no-deps wheels/"$wheel"-*.whl
+    # pip picks the wheel that fits this Python (httptools' are per version: cp311, cp312).
+    python3 -c "import $module" 2>/dev/null || python3 -m pip install -q --no-deps --no-index --find-links wheels "$wheel"
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
