@@ -65,3 +65,31 @@ def test_async_saves_record_the_wait_for_their_copy_on_the_step_after(make_confi
         assert 0.0 <= record["checkpoint_staging_wait_s"] < 0.5, record
         assert 0.0 <= record["checkpoint_previous_wait_s"] <= record["checkpoint_stall_s"], record
     assert not any("checkpoint_staging_wait_s" in r for r in records if "checkpoint_stall_s" not in r)
+
+
+def test_a_run_freezes_what_set_up_and_the_first_step_made_and_thaws_it_after(make_config, monkeypatch):
+    """Set-up's objects and the first step's (a compile's) are frozen out of the collector's
+    reach during the run (runtime/collector.py), the collector's time is in the records, and
+    a run in this process gives everything back to the collector when it ends."""
+    import gc
+
+    import meshyard
+    from meshyard.runtime import collector
+
+    frozen_counts = []
+
+    freeze = collector.freeze_long_lived
+
+    def freezing():
+        freeze()
+        frozen_counts.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(collector, "freeze_long_lived", freezing)
+    callbacks = list(gc.callbacks)
+    records = meshyard.run(make_config("--parallel.strategy=none", "--train.steps=4"), nproc=1).metrics()
+    assert len(frozen_counts) == 2 and frozen_counts[0] > 0 and frozen_counts[1] >= frozen_counts[0]
+    assert gc.get_freeze_count() == 0
+    assert gc.callbacks == callbacks
+    # The freeze after step 1 is a full collection, counted in step 2's record.
+    assert records[1]["gc_s"] > 0
+    assert all(r["gc_s"] > 0 for r in records if "gc_s" in r)

@@ -173,6 +173,9 @@ FIELDS: dict[str, Field] = {
     "straggler_hosts": Field((list,), False, "", "the host of each straggler, in the order of stragglers: "
                              "'hostname (address that reaches the master)', or the hostname alone (with "
                              "stragglers, when the ranks' hosts are known)", "metrics.ranks", items=(str,)),
+    "gc_s": Field(NUMBER, False, "s", "time Python's garbage collector ran, in any thread of rank 0's process, "
+                  "since the previous record (present when it ran; what the job set up, and the first step "
+                  "compiled, is frozen out of its reach: runtime.collector)", "train.trainer"),
     # checkpoints
     "checkpoint_stall_s": Field(NUMBER, False, "s", "time the previous step's save held training up (on the "
                                 "step after a save)", "train.trainer"),

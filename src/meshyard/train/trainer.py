@@ -60,6 +60,7 @@ from meshyard.metrics.meter import StepMeter, StepReadings
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks
 from meshyard.parallel.parallelize import Parallelized
 from meshyard.runtime.batch_plan import BatchPlan
+from meshyard.runtime.collector import RunCollector
 from meshyard.train.precision import Precision
 from meshyard.train.rollback import CheckpointRollback, RollbackTarget, SnapshotRollback
 from meshyard.train.state import TrainProgress
@@ -229,6 +230,7 @@ class Trainer:
         self._previous_save_wait: float | None = None
         self._staging_wait: float | None = None
         self._staging_warm = False  # async saves' pinned host buffers are allocated (see fit)
+        self.collector = RunCollector()  # keeps set-up out of the collector's walks; its time per record
         self._outcomes_seen = 0
         # Whether the next step is issued before the last one's figures are read: where the
         # device runs behind the host (CUDA), so that the host never waits for it. On CPU
@@ -384,6 +386,7 @@ class Trainer:
         # The whole iteration since the last step was settled: its own work, the last
         # step's records and console line, and fetching its batch.
         step_time, self._period_start = done - self._period_start, done
+        collecting = self.collector.step_settled()
         nonfinite = not math.isfinite(read["loss_total"])
         agreed = Agreed(read["loss_total"] / read["loss_weight"] if not nonfinite else float("nan"),
                         read["preempt"] > 0, read["save_now"] > 0, nonfinite)
@@ -399,6 +402,8 @@ class Trainer:
             "samples_per_s": self.batch.global_batch / step_time,
             "tokens_seen": self.progress.tokens_seen, "time": time.time(),
         }
+        if collecting > 0:
+            record["gc_s"] = collecting
         if issued.loss_scale is not None:
             record["loss_scale"] = issued.loss_scale
         runner_figures, split = issued.runner_figures.read()
@@ -456,22 +461,26 @@ class Trainer:
         self.model.train()
         return self._mean_of_losses(total / max(count, 1))
 
+    def _begin_fit(self) -> None:
+        self.model.train()
+        self._train_iter = iter(self.data.train_loader)
+        # Async saves on CUDA stage into pinned host buffers: allocated and pinned here, not
+        # inside the step after the first save (the optimizer's part after its first step
+        # on a fresh start). Nothing to do elsewhere.
+        self._staging_warm = self.checkpoints.warm_staging()
+        self.collector.start()  # set-up is done: what it made lives as long as the run
+
     def fit(self) -> dict[str, Any]:
         """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures.
 
         Raises ``Preempted`` after saving when a preemption signal arrived on any rank,
         and ``NonFiniteError`` on a NaN/inf loss or gradient norm with ``on_nonfinite = stop``.
         """
-        self.model.train()
-        self._train_iter = iter(self.data.train_loader)
+        self._begin_fit()
         start = self._period_start = time.perf_counter()
         self.sinks.display.start(self.progress.step)
         in_flight: IssuedStep | None = None
         preempt = time_save = roll_back = save_waiting = False
-        # Async saves on CUDA stage into pinned host buffers: allocated and pinned here, not
-        # inside the step after the first save (the optimizer's part after its first step
-        # on a fresh start). Nothing to do elsewhere.
-        self._staging_warm = self.checkpoints.warm_staging()
         if self.guard is not None:
             self._take_snapshot(force=True)  # a rollback always has somewhere to go
             self._lr_factor = 0.0  # a resumed run lowered its learning rate: so does this one
@@ -515,6 +524,7 @@ class Trainer:
             self.checkpoints.wait()
         finally:
             self.sinks.display.stop()
+            self.collector.stop()
         return self._summary(time.perf_counter() - start)
 
     def _save_if_due(self, waiting: bool) -> bool:
