@@ -8,7 +8,10 @@ a server's running batch), and one step is what the continuous batcher does per 
 ``decode_step`` over every row, then the next token of each row (greedy) back on the host.
 Printed per row count:
 
-- step: the time of one such step (the lowest median of five blocks of steps);
+- step: the time of one such step (the lowest median of five blocks of steps). On CUDA that
+  is the continuous scheduler's step over every slot of its long-lived cache, replayed from
+  a CUDA graph; ``grouped`` is then also printed: the step of a cache made for one call
+  (what a dynamic batch decodes with), which groups the rows by span and launches eagerly;
 - matrix: the time, measured alike, of the same model's matrix work alone on prebuilt tensors (every
   linear layer on ``rows`` tokens and attention over the step's mean cached span, no cache
   bookkeeping, no sampling): what the step cannot go below in eager PyTorch;
@@ -68,11 +71,15 @@ def timed(fn, steps: int, device: torch.device, blocks: int = 5) -> float:
 
 
 def step_seconds(module: GPT, rows: int, prompt: int, steps: int, device: torch.device,
-                 profile: Path | None = None) -> float:
+                 profile: Path | None = None, grouped: bool = False) -> float:
     """One decoding step over ``rows`` prefilled slots, tokens chosen greedily to the host.
-    With ``profile``, ten more steps run under torch.profiler afterwards (see ``profiled``)."""
+    With ``profile``, ten more steps run under torch.profiler afterwards (see ``profiled``).
+    ``grouped``: the grouped step, as a cache made for one call takes (on the CPU every
+    cache does)."""
     total = prompt + rows + steps + 16
     cache = module.init_kv_cache(rows, total)
+    if grouped:
+        cache.every_slot_steps = False
     slots = [cache.allocate() for _ in range(rows)]
     for slot in slots:  # staggered lengths: prompt, prompt + 1, ...
         length = prompt + slot % 8
@@ -173,9 +180,13 @@ def main() -> None:
         step = step_seconds(module, rows, prompt, args.steps, device, trace)
         matrix = matrix_seconds(module, rows, prompt, args.steps, device)
         result = {"rows": rows, "step_ms": step * 1e3, "matrix_ms": matrix * 1e3, "overhead_ms": (step - matrix) * 1e3}
+        if cuda:
+            result["grouped_ms"] = step_seconds(module, rows, prompt, args.steps, device, grouped=True) * 1e3
         results.append(result)
         line = (f"rows {rows:3d}: step {result['step_ms']:7.3f} ms  matrix {result['matrix_ms']:7.3f} ms  "
                 f"overhead {result['overhead_ms']:7.3f} ms")
+        if cuda:
+            line += f"  grouped {result['grouped_ms']:7.3f} ms"
         if rows in baseline:
             before = baseline[rows]
             line += (f"  | before: step {before['step_ms']:7.3f} ms overhead {before['overhead_ms']:7.3f} ms "
