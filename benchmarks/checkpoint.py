@@ -219,7 +219,8 @@ def main() -> None:
           + (" (the interval is shorter than a background write)" if max(previous_waits) > 0.1 * sync_save else ""))
     print_step_slowdown(during, apart, [r["step_time_s"] for r in saves])
     print("  of which the garbage collector (gc_s) " + ", ".join(f"{r.get('gc_s', 0.0) * 1e3:.1f}" for r in saves)
-          + f" ms; in all the run's steps {sum(r.get('gc_s', 0.0) for r in async_records[1:]) * 1e3:.1f} ms")
+          + f" ms; in all the run's steps after step 2 (which carries the freeze after step 1, a full "
+          f"collection) {sum(r.get('gc_s', 0.0) for r in async_records[2:]) * 1e3:.1f} ms")
     print(f"resume check on rank 0 before {check['before'] * 1e3:8.1f} ms (rank 0 reads every file, the others wait)")
     print(f"                      after  {check['after'] * 1e3:8.1f} ms (each rank reads its own files: "
           + ", ".join(f"{b / 1e6:.1f}" for b in per_rank) + " MB)")

@@ -16,6 +16,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-first}"
+# Counted from here: the installs below take part of the time too.
+deadline=$(( $(date +%s) + ${2:-100000} ))
 # Absolute: the tests start servers and ranks in other working directories.
 export PYTHONPATH="${PYTHONPATH:-$PWD/src}"
 out="${OUT:-/tmp/gpu-checks}"
@@ -29,7 +31,6 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-deadline=$(( $(date +%s) + ${2:-100000} ))
 # The time limit of a check: its own, or what is left before the deadline (less a margin for
 # the rest of the script); 0 when under 40 s are left.
 limit() {

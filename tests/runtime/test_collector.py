@@ -58,3 +58,30 @@ def test_frozen_objects_stay_out_of_collections_until_thawed():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert watch() is None  # thawed: collected like any garbage
+
+
+def test_a_collection_under_way_when_the_clock_was_installed_counts_nothing():
+    clock = CollectorClock()
+    clock._on_collection("stop", {"generation": 2})  # its "start" came before the clock
+    assert clock.take() == 0.0
+    clock._on_collection("start", {"generation": 0})
+    clock._on_collection("stop", {"generation": 0})
+    assert clock.take() > 0.0
+
+
+def test_each_run_freezes_again_after_its_first_step(monkeypatch):
+    from meshyard.runtime import collector
+    from meshyard.runtime.collector import RunCollector
+
+    freezes = []
+    monkeypatch.setattr(collector, "freeze_long_lived", lambda: freezes.append(1))
+    run = RunCollector()
+    for _ in range(2):  # two fits of one trainer
+        freezes.clear()
+        run.start()
+        try:
+            for _ in range(3):
+                run.step_settled()
+        finally:
+            run.stop()
+        assert len(freezes) == 2  # at start and after the first step, not later

@@ -30,18 +30,24 @@ def freeze_long_lived() -> None:
 
 def thaw() -> None:
     """Give the frozen objects back to the collector (``gc.unfreeze``): a job that ends in
-    a process that goes on (``nproc = 1``, a notebook) lets its model be collected."""
+    a process that goes on (``nproc = 1``, a notebook) lets its model be collected. The
+    freeze is the process's: whatever else froze objects in it is thawed too."""
     gc.unfreeze()
 
 
 class CollectorClock:
     """Seconds spent in garbage collections, in any thread, since the last ``take``.
 
-    Collections run one at a time with the GIL held, so the callbacks never overlap."""
+    The interpreter runs one collection at a time, but a collection's finalizers may let
+    another thread run between its "start" and "stop" callbacks, ``take`` included. So the
+    callback alone writes the running total and ``take`` alone writes what it has taken,
+    and a "stop" without its "start" (the clock installed mid-collection) counts nothing.
+    No lock: a collection set off inside ``take`` would wait on it for ever."""
 
     def __init__(self) -> None:
-        self._began = 0.0
-        self._seconds = 0.0
+        self._began: float | None = None
+        self._total = 0.0  # written by the callback only
+        self._taken = 0.0  # written by ``take`` only
         self._installed = False
 
     def install(self) -> None:
@@ -55,15 +61,18 @@ class CollectorClock:
             self._installed = False
 
     def take(self) -> float:
-        """The seconds collected since the last call, and start again from zero."""
-        seconds, self._seconds = self._seconds, 0.0
+        """The seconds collected since the last call."""
+        total = self._total
+        seconds, self._taken = total - self._taken, total
         return seconds
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
         if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            self._seconds += time.perf_counter() - self._began
+            self._began = now
+        elif self._began is not None:
+            self._total += now - self._began
+            self._began = None
 
 
 class RunCollector:
@@ -77,6 +86,7 @@ class RunCollector:
         self._steps_settled = 0
 
     def start(self) -> None:
+        self._steps_settled = 0
         freeze_long_lived()
         self.clock.install()
 
@@ -86,6 +96,8 @@ class RunCollector:
         seconds = self.clock.take()
         self._steps_settled += 1
         if self._steps_settled == 1:
+            # With read-ahead the second step is in flight: its objects are frozen too and
+            # stay until ``stop`` (only cycles among them are kept that long).
             freeze_long_lived()
         return seconds
 

@@ -468,7 +468,6 @@ class Trainer:
         # inside the step after the first save (the optimizer's part after its first step
         # on a fresh start). Nothing to do elsewhere.
         self._staging_warm = self.checkpoints.warm_staging()
-        self.collector.start()  # set-up is done: what it made lives as long as the run
 
     def fit(self) -> dict[str, Any]:
         """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures.
@@ -477,15 +476,16 @@ class Trainer:
         and ``NonFiniteError`` on a NaN/inf loss or gradient norm with ``on_nonfinite = stop``.
         """
         self._begin_fit()
-        start = self._period_start = time.perf_counter()
         self.sinks.display.start(self.progress.step)
         in_flight: IssuedStep | None = None
         preempt = time_save = roll_back = save_waiting = False
-        if self.guard is not None:
-            self._take_snapshot(force=True)  # a rollback always has somewhere to go
-            self._lr_factor = 0.0  # a resumed run lowered its learning rate: so does this one
-            self._follow_schedule()
         try:
+            self.collector.start()  # set-up is done: what it made lives as long as the run
+            if self.guard is not None:
+                self._take_snapshot(force=True)  # a rollback always has somewhere to go
+                self._lr_factor = 0.0  # a resumed run lowered its learning rate: so does this one
+                self._follow_schedule()
+            start = self._period_start = time.perf_counter()
             while self.progress.step < self.cfg.steps:
                 issued = None
                 next_step = (in_flight.step if in_flight else self.progress.step) + 1
