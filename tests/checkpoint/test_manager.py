@@ -257,3 +257,31 @@ def test_ranks_given_no_run_id_take_one_between_them(tmp_path):
     manifest, problem = verify(CheckpointStore(str(tmp_path)), str(tmp_path / "step-00000001"))
     assert problem is None and manifest["run_id"] == ids[0] and manifest["world_size"] == 2
     assert sorted({entry["rank"] for entry in manifest["files"].values()}) == [0, 1]
+
+
+@pytest.mark.parametrize("disk", ["fine", "full"])
+def test_async_saves_shorten_gil_turns_until_their_commit(one_rank, model_and_optimizer, disk):
+    """The save's background Python shares the GIL with the training thread: turns are short
+    from the save call to the end of its commit (runtime/gil_turns.py), also when it fails."""
+    import sys
+
+    from meshyard.runtime.gil_turns import BACKGROUND_SWITCH_INTERVAL_S
+
+    fsspec.register_implementation("fulldisk", FullDiskFS, clobber=True)
+    messages: list[str] = []
+    manager = make_manager(f"fulldisk://turns-{disk}", "--checkpoint.async_save=true", messages=messages)
+    seen = []
+    write = manager._commit_when_written
+    manager._commit_when_written = lambda *args: seen.append(sys.getswitchinterval()) or write(*args)
+    before = sys.getswitchinterval()
+    FullDiskFS.full = disk == "full"
+    try:
+        save(manager, 1, *model_and_optimizer)
+        manager.wait()
+    finally:
+        FullDiskFS.full = False
+    manager.close()
+    # A full disk fails the save before its background part (in async_save's set-up).
+    assert seen == ([pytest.approx(min(before, BACKGROUND_SWITCH_INTERVAL_S))] if disk == "fine" else [])
+    assert sys.getswitchinterval() == before
+    assert [o.error is None for o in manager.outcomes] == [disk == "fine"]

@@ -45,6 +45,7 @@ from meshyard.checkpoint.staging import HostStager
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.sections import CheckpointConfig
 from meshyard.runtime.distributed import rank0_decides
+from meshyard.runtime.gil_turns import SHORT_TURNS
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
@@ -182,14 +183,21 @@ class CheckpointManager:
             if not in_background:
                 dcp.save(tensor_state, storage_writer=writer)
             else:
-                response = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group,
-                                          async_stager=self._stager)
-                if isinstance(response, AsyncSaveResponse):
-                    self._staging, written = response.staging_completion, response.upload_completion
-                else:  # staged before async_save returned
-                    written = response
-                assert self._background is not None
-                pending.future = self._background.submit(self._commit_when_written, written, pending)
+                # The save's threads run Python beside the training thread until the commit:
+                # short GIL turns keep the training thread's waits short (runtime/gil_turns.py).
+                SHORT_TURNS.enter()
+                try:
+                    response = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._group,
+                                              async_stager=self._stager)
+                    if isinstance(response, AsyncSaveResponse):
+                        self._staging, written = response.staging_completion, response.upload_completion
+                    else:  # staged before async_save returned
+                        written = response
+                    assert self._background is not None
+                    pending.future = self._background.submit(self._commit_when_written, written, pending)
+                except BaseException:
+                    SHORT_TURNS.leave()
+                    raise
         except (Exception, CheckpointException) as exc:  # storage errors of synchronous saves
             self._fail(pending, exc)
             return
@@ -300,8 +308,11 @@ class CheckpointManager:
         """The background part of an async save: DCP's write, then rank 0's commit. The
         commit is file operations only, never a collective, so running it beside the
         training thread cannot deadlock."""
-        written.result()
-        return self._commit_timed(pending)
+        try:
+            written.result()
+            return self._commit_timed(pending)
+        finally:
+            SHORT_TURNS.leave()  # the save's last Python beside the training thread is done
 
     def _commit_timed(self, pending: PendingSave) -> float:
         start = time.perf_counter()
