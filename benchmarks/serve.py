@@ -385,7 +385,8 @@ def main() -> None:
                                      f"--serve.max_wait_ms={args.max_wait_ms}", "--serve.scheduler=dynamic"),
         }
         if "batching" in args.parts:
-            servers["unbatched"] = ServerProcess(run_dir, folder, "unbatched", "--serve.max_batch_size=1")
+            servers["unbatched"] = ServerProcess(run_dir, folder, "unbatched", "--serve.max_batch_size=1",
+                                                 "--serve.scheduler=dynamic")
         if "streaming" in args.parts:
             servers["continuous"] = ServerProcess(run_dir, folder, "continuous", "--serve.scheduler=continuous",
                                                   f"--serve.max_batch_size={args.max_batch}")

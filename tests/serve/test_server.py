@@ -348,3 +348,22 @@ def test_a_models_footprint_counts_the_kv_cache_its_continuous_batch_keeps(sched
         assert server.footprint(no_cache) == no_cache.bytes  # served by dynamic batches either way
     finally:
         server.executor.shutdown()
+
+
+@pytest.mark.parametrize("device, continuously", [("cpu", False), ("cuda", True)])
+def test_the_auto_scheduler_batches_continuously_on_a_gpu_only(device, continuously):
+    """``auto``, the default: continuous batching for a model with a KV cache on a CUDA device
+    (the engine's device is set by hand: no GPU here), dynamic batches on the CPU and for
+    models without a KV cache."""
+    server = Server(ServeConfig(max_batch_size=6), Router.from_specs([], []))
+    try:
+        assert server.cfg.scheduler == "auto"
+        gpt = EagerEngine(GPT(GPTShape(vocab_size=64, context_length=32, n_layer=2, n_head=2, d_model=16)), 64, 32)
+        no_cache = EagerEngine(MLP(64, d_model=8), 64, 32)
+        gpt.device = no_cache.device = torch.device(device)
+        assert server._runs_continuously(gpt) is continuously
+        assert server._runs_continuously(no_cache) is False
+        kv_bytes = gpt.module.init_kv_cache(6, 32).bytes
+        assert server.footprint(gpt) == gpt.bytes + (kv_bytes if continuously else 0)
+    finally:
+        server.executor.shutdown()

@@ -101,8 +101,9 @@ class Server:
 
     def _runs_continuously(self, engine: Engine) -> bool:
         """Whether ``engine``'s generate requests go to a continuous batcher (which keeps a KV
-        cache for as long as the model is loaded)."""
-        return self.cfg.scheduler == "continuous" and _has_kv_cache(engine)
+        cache for as long as the model is loaded): asked for, or ``auto`` on a CUDA device."""
+        wanted = self.cfg.scheduler == "continuous" or (self.cfg.scheduler == "auto" and _on_cuda(engine))
+        return wanted and _has_kv_cache(engine)
 
     def pinned_sources(self) -> list[ModelSource]:
         """Every version of the pinned names."""
@@ -174,6 +175,12 @@ def _inference_threads(threads: int) -> None:
     """``serve.threads`` for the inference thread (0 keeps torch's default)."""
     if threads > 0:
         torch.set_num_threads(threads)
+
+
+def _on_cuda(engine: Engine) -> bool:
+    """Whether ``engine`` computes on a CUDA device (exports run on the CPU)."""
+    device = getattr(engine, "device", None)
+    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 def _has_kv_cache(engine: Engine) -> bool:
