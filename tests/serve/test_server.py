@@ -350,20 +350,27 @@ def test_a_models_footprint_counts_the_kv_cache_its_continuous_batch_keeps(sched
         server.executor.shutdown()
 
 
-@pytest.mark.parametrize("device, continuously", [("cpu", False), ("cuda", True)])
-def test_the_auto_scheduler_batches_continuously_on_a_gpu_only(device, continuously):
+@pytest.mark.parametrize("device, memory, continuously", [
+    ("cpu", 80 << 30, False), ("cuda", 80 << 30, True),
+    ("cuda", 64 << 10, False),  # a KV cache over a quarter of the device's memory: dynamic batches
+])
+def test_the_auto_scheduler_batches_continuously_on_a_gpu_only(device, memory, continuously, monkeypatch):
     """``auto``, the default: continuous batching for a model with a KV cache on a CUDA device
-    (the engine's device is set by hand: no GPU here), dynamic batches on the CPU and for
-    models without a KV cache."""
+    whose memory holds that cache easily (the engine's device and the device's memory are set
+    by hand: no GPU here), dynamic batches on the CPU and for models without a KV cache."""
+    from meshyard.serve import app
+
+    monkeypatch.setattr(app, "device_memory", lambda _: memory)
     server = Server(ServeConfig(max_batch_size=6), Router.from_specs([], []))
     try:
         assert server.cfg.scheduler == "auto"
         gpt = EagerEngine(GPT(GPTShape(vocab_size=64, context_length=32, n_layer=2, n_head=2, d_model=16)), 64, 32)
         no_cache = EagerEngine(MLP(64, d_model=8), 64, 32)
         gpt.device = no_cache.device = torch.device(device)
+        kv_bytes = gpt.module.init_kv_cache(6, 32).bytes
+        assert (kv_bytes <= app.AUTO_KV_SHARE * memory) is (device == "cpu" or continuously)
         assert server._runs_continuously(gpt) is continuously
         assert server._runs_continuously(no_cache) is False
-        kv_bytes = gpt.module.init_kv_cache(6, 32).bytes
         assert server.footprint(gpt) == gpt.bytes + (kv_bytes if continuously else 0)
     finally:
         server.executor.shutdown()

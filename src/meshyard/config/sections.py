@@ -462,8 +462,9 @@ class ServeConfig:
         "(requests join and leave the running batch between decoding steps; models with a KV cache, others "
         "batch dynamically) or 'auto': continuous for models on a CUDA device, where its decoding step is "
         "replayed from a CUDA graph (1.3 ms against a dynamic batch's 5.6 ms for a gpt2-124m shape on an "
-        "H100), dynamic on the CPU, where no KV cache is held between batches and batches of equal "
-        "lengths decode more tokens/s.",
+        "H100), unless its KV cache (max_batch_size sequences of the whole context) would take over a "
+        "quarter of the device's memory; dynamic on the CPU, where no KV cache is held between batches and "
+        "batches of equal lengths decode more tokens/s.",
     )
     runtime: Literal["eager", "torchscript", "onnxruntime"] = option(
         "eager", "What runs the model: eager PyTorch, a TorchScript export or an ONNX export in ONNX Runtime.")

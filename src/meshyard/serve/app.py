@@ -43,6 +43,10 @@ from meshyard.serve.types import BadRequest, DeadlineExceeded, QueueFull, ReadTi
 
 log = logging.getLogger("meshyard.serve")
 
+# With serve.scheduler = "auto", a continuous batcher's KV cache may take this share of its
+# CUDA device's memory at most; a larger one (long contexts) leaves the model to dynamic batches.
+AUTO_KV_SHARE = 0.25
+
 GENERATE_EXAMPLE = '{"prompt": "Hello", "max_new_tokens": 16}'
 LOGITS_EXAMPLE = '{"sequences": [[72, 101, 108]], "top_k": 5}'
 LOWEST_LOGPROB = -1e30  # stands for -inf, which JSON cannot carry
@@ -91,19 +95,37 @@ class Server:
         batch's cache lives only while its batch runs and is not counted."""
         size = int(engine.bytes)
         if self._runs_continuously(engine):
-            module = engine.module  # type: ignore[attr-defined]
-            try:
-                size += module.init_kv_cache(self.cfg.max_batch_size, engine.context_length, device="meta").bytes
-            except Exception:  # noqa: BLE001 - a cache that cannot be sized is found out when it is made
+            cache = self._kv_cache_bytes(engine)
+            if cache is None:
                 log.warning("the KV cache of a %s could not be sized on the meta device; the memory budget counts "
-                            "its weights only", type(module).__name__, exc_info=True)
+                            "its weights only", type(engine.module).__name__)  # type: ignore[attr-defined]
+            size += cache or 0
         return size
+
+    def _kv_cache_bytes(self, engine: Engine) -> int | None:
+        """The bytes of the KV cache a continuous batcher of ``engine`` keeps, sized on the meta
+        device; None where the model cannot size it there (found out when the cache is made)."""
+        module = engine.module  # type: ignore[attr-defined]
+        try:
+            return module.init_kv_cache(self.cfg.max_batch_size, engine.context_length, device="meta").bytes
+        except Exception:  # noqa: BLE001 - reported by the caller
+            log.debug("sizing the KV cache of a %s on meta failed", type(module).__name__, exc_info=True)
+            return None
 
     def _runs_continuously(self, engine: Engine) -> bool:
         """Whether ``engine``'s generate requests go to a continuous batcher (which keeps a KV
-        cache for as long as the model is loaded): asked for, or ``auto`` on a CUDA device."""
-        wanted = self.cfg.scheduler == "continuous" or (self.cfg.scheduler == "auto" and _on_cuda(engine))
-        return wanted and _has_kv_cache(engine)
+        cache for as long as the model is loaded): a model with a KV cache, asked for, or with
+        ``auto`` on a CUDA device where that cache takes at most ``AUTO_KV_SHARE`` of the
+        device's memory (a long context times ``max_batch_size`` sequences can take more than
+        the device has, where a dynamic batch's cache is sized to its own requests)."""
+        if not _has_kv_cache(engine) or self.cfg.scheduler == "dynamic":
+            return False
+        if self.cfg.scheduler == "continuous":
+            return True
+        if not _on_cuda(engine):
+            return False
+        cache = self._kv_cache_bytes(engine)
+        return cache is not None and cache <= AUTO_KV_SHARE * device_memory(engine.device)  # type: ignore[attr-defined]
 
     def pinned_sources(self) -> list[ModelSource]:
         """Every version of the pinned names."""
@@ -175,6 +197,11 @@ def _inference_threads(threads: int) -> None:
     """``serve.threads`` for the inference thread (0 keeps torch's default)."""
     if threads > 0:
         torch.set_num_threads(threads)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of a CUDA device."""
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def _on_cuda(engine: Engine) -> bool:
