@@ -50,6 +50,22 @@ def test_a_checkpoint_on_cuda_keeps_weights_cache_and_tokens_on_the_device(train
     assert tokens == fp32.generate([[72, 105]], [Sampling(max_new_tokens=steps)])[0]
 
 
+def test_the_default_scheduler_batches_a_model_on_cuda_continuously(trained_run):
+    from meshyard.config.sections import ServeConfig
+    from meshyard.serve.app import Server
+    from meshyard.serve.routing import Router
+
+    server = Server(ServeConfig(), Router.from_specs([], []))
+    try:
+        assert server.cfg.scheduler == "auto"
+        engine = load_engine(describe(str(trained_run)), device="cuda", dtype="auto")
+        assert server._runs_continuously(engine)
+        cpu = load_engine(describe(str(trained_run)), device="cpu", dtype="fp32")
+        assert not server._runs_continuously(cpu)
+    finally:
+        server.executor.shutdown()
+
+
 def test_a_cuda_server_answers_completions(tmp_path, trained_run):
     args = [str(trained_run), "--pin", "tiny", "--cache", "off", "--scheduler", "continuous",
             "--serve.device=cuda", "--serve.max_new_tokens=16"]

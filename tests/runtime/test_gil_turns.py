@@ -35,3 +35,12 @@ def test_an_interval_already_shorter_is_kept(interval):
     assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
     turns.leave()
     assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+
+
+def test_an_interval_someone_else_set_meanwhile_is_left_as_they_set_it(interval):
+    sys.setswitchinterval(0.005)
+    turns = ShortTurns()
+    turns.enter()
+    sys.setswitchinterval(0.002)
+    turns.leave()
+    assert sys.getswitchinterval() == pytest.approx(0.002)

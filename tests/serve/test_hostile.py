@@ -37,7 +37,7 @@ GOOD = {GENERATE: {"prompt": "def add(", "max_new_tokens": 2},
 def servers(tmp_path_factory, trained_run) -> list[ServerProcess]:
     common = [str(trained_run), "--pin", "tiny", "--cache", "off", "--serve.max_new_tokens=8", "--serve.threads=1",
               f"--serve.read_timeout_s={READ_TIMEOUT_S}", "--serve.keep_alive_timeout_s=1",
-              "--serve.max_body_bytes=1048576"]
+              "--serve.max_body_bytes=1048576", "--serve.device=cpu"]
     arg_lists = [[*common, "--serve.max_connections=512"],
                  [*common, f"--serve.max_connections={CAPPED_CONNECTIONS}"]]
     with running_servers(tmp_path_factory.mktemp("hostile"), arg_lists) as started:

@@ -71,7 +71,8 @@ def servers(tmp_path_factory, trained_run, custom_model_run, fragile_run, hf_fol
     main = [str(trained_run), f"custom={custom_model_run}", f"fragile={fragile_run}", f"gpt2={hf_folder}",
             "--pin", "tiny",
             "--serve.max_batch_size=8", "--serve.max_queue=16", "--serve.max_wait_ms=50",
-            "--serve.max_body_bytes=4096", "--serve.max_new_tokens=48", "--serve.threads=1"]
+            "--serve.max_body_bytes=4096", "--serve.max_new_tokens=48", "--serve.threads=1",
+            "--serve.device=cpu"]  # dynamic batches (scheduler auto) and tokens compared with CPU engines
     stuck = [f"custom={custom_model_run}", "--pin", "custom", "--cache", "off", "--serve.max_batch_size=4",
              "--serve.max_queue=2", "--serve.max_wait_ms=60000", "--serve.threads=1"]
     with running_servers(tmp_path_factory.mktemp("servers"), [main, stuck]) as started:

@@ -196,7 +196,8 @@ class CheckpointManager:
                     assert self._background is not None
                     pending.future = self._background.submit(self._commit_when_written, written, pending)
                 except BaseException:
-                    SHORT_TURNS.leave()
+                    if pending.future is None:  # else the background part leaves, when it ends
+                        SHORT_TURNS.leave()
                     raise
         except (Exception, CheckpointException) as exc:  # storage errors of synchronous saves
             self._fail(pending, exc)

@@ -493,7 +493,8 @@ class ServeConfig:
     )
     memory_budget_bytes: int = option(
         0, "Bytes the loaded models may take together, in the memory of serve.device (parameters and buffers "
-        "in serve.dtype, and with the continuous scheduler the KV cache each model's batch keeps: "
+        "in serve.dtype, and for a model that batches continuously (scheduler 'continuous', or 'auto' on a "
+        "GPU) the KV cache its batch keeps: "
         "max_batch_size sequences of its context); above it, idle models are evicted (longest idle and "
         "cheapest to load again first; pinned ones never). 0: no limit.",
     )

@@ -12,15 +12,20 @@ turns, 9.1 ms with 1 ms turns and 4.3 ms with 0.5 ms turns.
 
 ``SHORT_TURNS`` lowers the interval to ``BACKGROUND_SWITCH_INTERVAL_S`` while any holder
 is in, and gives back the one before when the last leaves. The interval is the process's,
-so one object counts the holders.
+so ``SHORT_TURNS`` is the one object that counts the holders; an interval someone else set
+meanwhile is left as they set it.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 
 BACKGROUND_SWITCH_INTERVAL_S = 0.0005
+_SAME_INTERVAL_S = 1e-6  # CPython keeps the interval in whole microseconds
+
+log = logging.getLogger(__name__)
 
 
 class ShortTurns:
@@ -31,20 +36,23 @@ class ShortTurns:
         self._lock = threading.Lock()
         self._holders = 0
         self._previous = sys.getswitchinterval()
+        self._set = self._previous  # the interval ``enter`` set
 
     def enter(self) -> None:
         with self._lock:
             if self._holders == 0:
                 self._previous = sys.getswitchinterval()
                 sys.setswitchinterval(min(self._previous, BACKGROUND_SWITCH_INTERVAL_S))
+                self._set = sys.getswitchinterval()
             self._holders += 1
 
     def leave(self) -> None:
         with self._lock:
             if self._holders == 0:
+                log.debug("short GIL turns left more often than entered", stack_info=True)
                 return
             self._holders -= 1
-            if self._holders == 0:
+            if self._holders == 0 and abs(sys.getswitchinterval() - self._set) < _SAME_INTERVAL_S:
                 sys.setswitchinterval(self._previous)
 
     @property

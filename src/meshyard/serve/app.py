@@ -117,7 +117,8 @@ class Server:
         cache for as long as the model is loaded): a model with a KV cache, asked for, or with
         ``auto`` on a CUDA device where that cache takes at most ``AUTO_KV_SHARE`` of the
         device's memory (a long context times ``max_batch_size`` sequences can take more than
-        the device has, where a dynamic batch's cache is sized to its own requests)."""
+        the device has, where a dynamic batch's cache is sized to its own requests). Each model
+        is judged alone: several on one device share it through ``memory_budget_bytes``."""
         if not _has_kv_cache(engine) or self.cfg.scheduler == "dynamic":
             return False
         if self.cfg.scheduler == "continuous":
@@ -174,6 +175,9 @@ class Server:
         def on_queue_wait(seconds: float) -> None:
             self.metrics.observe_queue_wait(name, version, endpoint, seconds)
 
+        if endpoint == "generate":
+            log.info("%s version %s: generate requests batched %s (serve.scheduler = %r)", name, version,
+                     "continuously" if self._runs_continuously(engine) else "dynamically", cfg.scheduler)
         if endpoint == "generate" and self._runs_continuously(engine):
             def on_step(size: int, seconds: float, new_tokens: int) -> None:
                 self.metrics.observe_batch(name, version, endpoint, size, seconds, new_tokens)

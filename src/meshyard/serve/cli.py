@@ -76,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="load NAME at start-up and never evict it (/readyz waits for it); repeatable")
     p.add_argument("--runtime", metavar="eager|torchscript|onnxruntime", help="what runs the models (default eager)")
     p.add_argument("--scheduler", metavar="auto|dynamic|continuous",
-                   help="how generate requests are batched (default auto: continuous on a GPU, dynamic on the CPU)")
+                   help="how generate requests are batched (default auto: continuous for models with a KV cache "
+                        "on a GPU, dynamic on the CPU)")
     p.add_argument("--ready-file", metavar="FILE",
                    help='write {"url", "pid"} as JSON to FILE once the server listens')
     p.set_defaults(handler=main, own_errors=(BadInput,), error_prefix="meshyard serve")

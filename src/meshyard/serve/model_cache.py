@@ -166,8 +166,9 @@ class ModelCache:
             raise Unavailable(
                 f"model '{source.name}' version '{source.version}' takes {size} bytes, more than the whole "
                 f"memory budget (serve.memory_budget_bytes = {self.budget_bytes}); raise the budget (0 means "
-                f"no limit), serve a smaller export of it (e.g. meshyard export --int8), or with the continuous "
-                f"scheduler, whose KV cache counts too, a smaller serve.max_batch_size")
+                f"no limit), serve a smaller export of it (e.g. meshyard export --int8), or, where it batches "
+                f"continuously (its KV cache counts too), a smaller serve.max_batch_size or "
+                f"serve.scheduler = 'dynamic'")
         self._make_room(source, size, strict=True)
         self._loaded[_key(source)] = _Loaded(engine, size, seconds, last_used=self._clock())
         self._metrics.model_loaded(source.name, source.version, size, seconds)
