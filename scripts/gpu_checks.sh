@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, on a machine with one (CUDA torch already installed there),
 # in two parts that each fit one command of at most 10 minutes:
-#   bash scripts/gpu_checks.sh first    # the gpu tests, the async checkpoint's stall, one decoding step (~8 min)
-#   bash scripts/gpu_checks.sh second   # the training step against a compiled plain loop, the schedulers (~7 min)
+#   bash scripts/gpu_checks.sh first    # the gpu tests, the async checkpoint, the schedulers (~7 min)
+#   bash scripts/gpu_checks.sh second   # the training step against a compiled plain loop, one decoding step (~4 min)
 #   bash scripts/gpu_checks.sh all 570  # both, in that order, within 570 s: each check's time limit is cut
 #                                       # to what is left, and a check with under 40 s left is skipped
-# Figures go to stdout and to $OUT (default /tmp/gpu-checks): one text file per part run,
+# Figures go to stdout and to $OUT (default /tmp/gpu-checks): one text file per check,
 # JSON figures, and decode_step's profile (operator tables in decode_step.txt, Chrome
-# traces packed into one archive).
+# traces packed into one archive): 8 files, as many as a device run brings back.
 # Packages such machines tend to lack (tomli-w; starlette, uvicorn, httptools and their few
 # dependencies for the server tests): put their wheels in wheels/ (httptools' for the
 # device's Python: `pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -49,13 +49,10 @@ first() {
     t=$(limit 170); (( t )) || { skipped; return; }
     timeout -k 5 "$t" python3 benchmarks/checkpoint.py --model gpt2-124m --nproc 1 --saves 3 > "$out/checkpoint.txt" 2>&1
     grep -v "[│┌└├]" "$out/checkpoint.txt" | tail -20
-    echo "== benchmarks/decode_step.py (gpt2-124m, bf16, 128-token prompts; target: 16 rows <= 5 ms)"
-    t=$(limit 90); (( t )) || { skipped; return; }
-    mkdir -p "$out/decode"
-    timeout -k 5 "$t" python3 benchmarks/decode_step.py --device cuda --steps 100 --out "$out/decode_step.json" \
-        --profile "$out/decode/rows" > "$out/decode_step.txt" 2>&1
-    grep "^rows" "$out/decode_step.txt"
-    tar -czf "$out/decode_profile.tgz" -C "$out" decode && rm -rf "$out/decode"
+    echo "== benchmarks/inference.py part 3 on CUDA (continuous against request-level batching; target >= 2.5x)"
+    t=$(limit 150); (( t )) || { skipped; return; }
+    timeout -k 5 "$t" python3 benchmarks/inference.py --sections 3 --loads all-at-once --device cuda > "$out/inference.txt" 2>&1
+    tail -8 "$out/inference.txt"
 }
 
 second() {
@@ -63,11 +60,13 @@ second() {
     t=$(limit 260); (( t )) || { skipped; return; }
     timeout -k 5 "$t" python3 benchmarks/gpu_step.py --rounds 1 --fsdp --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
     tail -25 "$out/gpu_step.txt"
-    cp "$out/gpu_step.json" "benchmarks/results/gpu-$(date +%F).json" 2>/dev/null
-    echo "== benchmarks/inference.py part 3 on CUDA (continuous against request-level batching; target >= 2.5x)"
-    t=$(limit 150); (( t )) || { skipped; return; }
-    timeout -k 5 "$t" python3 benchmarks/inference.py --sections 3 --loads all-at-once --device cuda > "$out/inference.txt" 2>&1
-    tail -8 "$out/inference.txt"
+    echo "== benchmarks/decode_step.py (gpt2-124m, bf16, 128-token prompts; target: 16 rows <= 5 ms)"
+    t=$(limit 90); (( t )) || { skipped; return; }
+    mkdir -p "$out/decode"
+    timeout -k 5 "$t" python3 benchmarks/decode_step.py --device cuda --rows 1,16 --steps 60 \
+        --out "$out/decode_step.json" --profile "$out/decode/rows" > "$out/decode_step.txt" 2>&1
+    grep "^rows" "$out/decode_step.txt"
+    tar -czf "$out/decode_profile.tgz" -C "$out" decode && rm -rf "$out/decode"
 }
 
 case "$part" in
