@@ -141,3 +141,31 @@ def test_an_imbalanced_expert_load_is_named(tmp_path):
 def test_a_balanced_expert_load_is_not_named(tmp_path):
     diagnosis = diagnose(_with_expert_load(fake_run(tmp_path), [[10, 11, 9, 10], [12, 8, 10, 10]]))
     assert diagnosis.verdict == "healthy"
+
+
+def _with_collector(run, pauses: dict[int, float]):
+    """The records of ``run`` with ``gc_s`` at the given steps."""
+    path = run / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        if record["step"] in pauses:
+            record["gc_s"] = pauses[record["step"]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+@pytest.mark.parametrize("pauses, named", [
+    ({step: 0.001 for step in range(5, 41)}, False),  # 1% of each 0.1 s step
+    ({step: 0.008 for step in range(5, 41)}, True),  # 8% of the steps' time
+    ({20: 0.25}, True),  # one pause of two and a half steps
+    ({1: 5.0}, False),  # start-up: the first step's freeze is not a steady step
+])
+def test_garbage_collection_pauses_are_named(tmp_path, pauses, named):
+    diagnosis = diagnose(_with_collector(fake_run(tmp_path), pauses))
+    found = [f for f in diagnosis.findings if f.verdict == "gc-pauses"]
+    assert bool(found) is named
+    if named:
+        assert diagnosis.verdict == "gc-pauses"  # the run is healthy otherwise
+        assert "garbage collector ran" in found[0].evidence[0] and "longest pause" in found[0].evidence[1]
+        assert any("NumPy arrays" in line for line in found[0].advice)
+        assert any("data.num_workers" in line for line in found[0].advice)

@@ -9,7 +9,9 @@ Verdicts, checked in this order because an earlier cause distorts the later figu
 (a straggler inflates everyone's communication wait, a starved loader makes compute look
 idle): straggler, data-bound, communication-bound, memory-bound, compute-bound, healthy.
 A mixture-of-experts run is also judged on its expert load ("expert-imbalance"): an
-expert taking far more tokens than the mean, or a capacity limit dropping many.
+expert taking far more tokens than the mean, or a capacity limit dropping many. Any run is
+judged on its garbage-collection pauses ("gc-pauses", from the records' ``gc_s``): a
+collector that takes a large share of the steps, or pauses longer than a whole step.
 Beside the verdicts, the waste of the steady steps (``metrics.waste``: idle GPU, data
 stalls, exposed communication) as shares of the paid time.
 """
@@ -37,6 +39,10 @@ IMBALANCED_LOAD = 1.5
 """A MoE layer whose busiest expert takes this many times the mean expert's tokens is imbalanced."""
 DROPPED_SHARE = 0.05
 """Share of token assignments dropped by the capacity limit above which it is named."""
+GC_SHARE = 0.05
+"""Share of the steady steps' time spent in garbage collections above which they are named."""
+GC_PAUSE_STEPS = 1.0
+"""A single collection longer than this many median steps is named too."""
 
 
 class DoctorError(BadInput, ValueError):
@@ -148,7 +154,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data, config.metrics),
                             _comm(ev, config.train, config.parallel, config.comm, config.metrics, facts),
                             _memory(ev, config.train), _compute(ev, config.train, config.precision),
-                            _expert_load(steady_records(records), config.model, config.parallel)) if f]
+                            _expert_load(steady_records(records), config.model, config.parallel),
+                            _collector(steady_records(records), ev, config.data)) if f]
     if not findings:
         findings = [Finding("healthy", [
             f"compute (forward + backward + optimizer) takes {_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} "
@@ -271,4 +278,31 @@ def _compute(ev: RunEvidence, train: TrainConfig, precision: PrecisionConfig) ->
         f"give the device larger matmuls: raise train.micro_batch (now {train.micro_batch or 'derived'})",
         f"compute in bf16 on GPUs that support it: precision.dtype = 'bf16' (now '{precision.dtype}')",
         "if activation checkpointing is on and memory allows, turn it off: parallel.ac = 'none'",
+    ])
+
+
+def _collector(steady: list[dict[str, Any]], ev: RunEvidence, data: DataConfig) -> Finding | None:
+    """Python's garbage collector taking a large share of the steady steps, or one pause
+    longer than a whole step (rank 0's process, any thread: ``gc_s``)."""
+    paused = [r for r in steady if r.get("gc_s", 0) > 0]
+    if not paused:
+        return None
+    total = sum(r["gc_s"] for r in paused)
+    share = total / sum(r["step_time_s"] for r in steady)
+    longest = max(paused, key=lambda r: r["gc_s"])
+    if share < GC_SHARE and longest["gc_s"] < GC_PAUSE_STEPS * ev.step_time_s:
+        return None
+    return Finding("gc-pauses", [
+        f"Python's garbage collector ran {total * 1000:.0f} ms over the {len(steady)} steady steps, "
+        f"{_pct(share)} of their time (gc_s: any thread of rank 0's process)",
+        f"its longest pause took {longest['gc_s'] * 1000:.0f} ms at step {longest['step']}, "
+        f"{longest['gc_s'] / ev.step_time_s:.1f}x the median step of {ev.step_time_s * 1000:.0f} ms",
+    ], [
+        "keep long-lived data (a tokenized dataset, caches, histories) in tensors or NumPy arrays, not in Python "
+        "lists, dicts or objects: a full collection walks every Python object made after the first step "
+        "(meshyard freezes what set-up and the first step made)",
+        f"with data.num_workers > 0 (now {data.num_workers}), a map-style dataset's objects live in the loader's "
+        "worker processes instead of the training process",
+        "reference cycles made at every step (closures or lists holding tensors, exceptions kept with their "
+        "tracebacks) make the collector run often: break them",
     ])
