@@ -298,9 +298,9 @@ def _collector(steady: list[dict[str, Any]], ev: RunEvidence, data: DataConfig) 
         f"its longest pause took {longest['gc_s'] * 1000:.0f} ms at step {longest['step']}, "
         f"{longest['gc_s'] / ev.step_time_s:.1f}x the median step of {ev.step_time_s * 1000:.0f} ms",
     ], [
-        "keep long-lived data (a tokenized dataset, caches, histories) in tensors or NumPy arrays, not in Python "
-        "lists, dicts or objects: a full collection walks every Python object made after the first step "
-        "(meshyard freezes what set-up and the first step made)",
+        "keep what piles up during training (caches, histories, samples tokenized as they are read) in tensors "
+        "or NumPy arrays, not in Python lists, dicts or objects: a full collection walks every Python object "
+        "made after the first step (meshyard freezes what set-up and the first step made)",
         f"with data.num_workers > 0 (now {data.num_workers}), a map-style dataset's objects live in the loader's "
         "worker processes instead of the training process",
         "reference cycles made at every step (closures or lists holding tensors, exceptions kept with their "
