@@ -21,9 +21,9 @@ def test_turns_are_short_while_any_holder_is_in_and_restored_after_the_last(inte
     assert sys.getswitchinterval() == pytest.approx(BACKGROUND_SWITCH_INTERVAL_S)
     turns.enter()
     turns.leave()
-    assert turns.held and sys.getswitchinterval() == pytest.approx(BACKGROUND_SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == pytest.approx(BACKGROUND_SWITCH_INTERVAL_S)  # one holder is still in
     turns.leave()
-    assert not turns.held and sys.getswitchinterval() == pytest.approx(0.005)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
     turns.leave()  # one leave too many changes nothing
     assert sys.getswitchinterval() == pytest.approx(0.005)
 

@@ -83,10 +83,10 @@ class RunCollector:
 
     def __init__(self) -> None:
         self.clock = CollectorClock()
-        self._steps_settled = 0
+        self._first_step_frozen = False
 
     def start(self) -> None:
-        self._steps_settled = 0
+        self._first_step_frozen = False
         freeze_long_lived()
         self.clock.install()
 
@@ -94,8 +94,8 @@ class RunCollector:
         """Seconds of collections since the last step was settled (the first step's
         freeze, a full collection, goes to the second step)."""
         seconds = self.clock.take()
-        self._steps_settled += 1
-        if self._steps_settled == 1:
+        if not self._first_step_frozen:
+            self._first_step_frozen = True
             # With read-ahead the second step is in flight: its objects are frozen too and
             # stay until ``stop`` (only cycles among them are kept that long).
             freeze_long_lived()

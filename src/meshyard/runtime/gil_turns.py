@@ -55,9 +55,5 @@ class ShortTurns:
             if self._holders == 0 and abs(sys.getswitchinterval() - self._set) < _SAME_INTERVAL_S:
                 sys.setswitchinterval(self._previous)
 
-    @property
-    def held(self) -> bool:
-        return self._holders > 0
-
 
 SHORT_TURNS = ShortTurns()

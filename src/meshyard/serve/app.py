@@ -88,19 +88,16 @@ class Server:
         self.started_at = int(time.time())  # the "created" of the OpenAI model listing
 
     def footprint(self, engine: Engine) -> int:
-        """The bytes a loaded model holds while it is loaded: its weights and buffers, and with
-        the continuous scheduler the KV cache its batcher keeps (``max_batch_size`` sequences of
+        """The bytes a loaded model holds while it is loaded: its weights and buffers, and where
+        it batches continuously the KV cache its batcher keeps (``max_batch_size`` sequences of
         its whole context: for a gpt2-124m shape in bf16 with 16 slots, 600 MB beside 250 MB of
         weights), counted from its loading on, even while it is asked for logits only. A dynamic
         batch's cache lives only while its batch runs and is not counted."""
-        size = int(engine.bytes)
-        if self._runs_continuously(engine):
-            cache = self._kv_cache_bytes(engine)
-            if cache is None:
-                log.warning("the KV cache of a %s could not be sized on the meta device; the memory budget counts "
-                            "its weights only", type(engine.module).__name__)  # type: ignore[attr-defined]
-            size += cache or 0
-        return size
+        continuous, cache = self._continuous_cache(engine)
+        if continuous and cache is None:
+            log.warning("the KV cache of a %s could not be sized on the meta device; the memory budget counts "
+                        "its weights only", type(engine.module).__name__)  # type: ignore[attr-defined]
+        return int(engine.bytes) + (cache or 0)
 
     def _kv_cache_bytes(self, engine: Engine) -> int | None:
         """The bytes of the KV cache a continuous batcher of ``engine`` keeps, sized on the meta
@@ -114,19 +111,26 @@ class Server:
 
     def _runs_continuously(self, engine: Engine) -> bool:
         """Whether ``engine``'s generate requests go to a continuous batcher (which keeps a KV
-        cache for as long as the model is loaded): a model with a KV cache, asked for, or with
-        ``auto`` on a CUDA device where that cache takes at most ``AUTO_KV_SHARE`` of the
+        cache for as long as the model is loaded)."""
+        return self._continuous_cache(engine)[0]
+
+    def _continuous_cache(self, engine: Engine) -> tuple[bool, int | None]:
+        """Whether ``engine`` batches continuously, and then the bytes of the KV cache it keeps
+        (None where they cannot be sized, and when it batches dynamically). Continuously: a model with a KV cache, asked for, or
+        with ``auto`` on a CUDA device where that cache takes at most ``AUTO_KV_SHARE`` of the
         device's memory (a long context times ``max_batch_size`` sequences can take more than
         the device has, where a dynamic batch's cache is sized to its own requests). Each model
         is judged alone: several on one device share it through ``memory_budget_bytes``."""
         if not _has_kv_cache(engine) or self.cfg.scheduler == "dynamic":
-            return False
-        if self.cfg.scheduler == "continuous":
-            return True
-        if not _on_cuda(engine):
-            return False
+            return False, None
+        if self.cfg.scheduler == "auto" and not _on_cuda(engine):
+            return False, None
         cache = self._kv_cache_bytes(engine)
-        return cache is not None and cache <= AUTO_KV_SHARE * device_memory(engine.device)  # type: ignore[attr-defined]
+        if self.cfg.scheduler == "continuous":
+            return True, cache
+        if cache is not None and cache <= AUTO_KV_SHARE * device_memory(engine.device):  # type: ignore[attr-defined]
+            return True, cache
+        return False, None
 
     def pinned_sources(self) -> list[ModelSource]:
         """Every version of the pinned names."""
@@ -175,10 +179,11 @@ class Server:
         def on_queue_wait(seconds: float) -> None:
             self.metrics.observe_queue_wait(name, version, endpoint, seconds)
 
+        continuous = endpoint == "generate" and self._runs_continuously(engine)
         if endpoint == "generate":
             log.info("%s version %s: generate requests batched %s (serve.scheduler = %r)", name, version,
-                     "continuously" if self._runs_continuously(engine) else "dynamically", cfg.scheduler)
-        if endpoint == "generate" and self._runs_continuously(engine):
+                     "continuously" if continuous else "dynamically", cfg.scheduler)
+        if continuous:
             def on_step(size: int, seconds: float, new_tokens: int) -> None:
                 self.metrics.observe_batch(name, version, endpoint, size, seconds, new_tokens)
 

@@ -28,7 +28,7 @@ from meshyard.run_dir import RunDir
 from meshyard.runtime.collector import freeze_long_lived
 
 DESCRIPTION = f"""\
-Serve trained models over HTTP with dynamic batching. Each PATH is a run directory (its
+Serve trained models over HTTP with dynamic or continuous batching. Each PATH is a run directory (its
 newest valid checkpoint), one checkpoint (.../{RunDir.CHECKPOINTS}/step-N) or a file written by
 'meshyard export'; a bare PATH is served under its run's name (run.name), NAME=PATH under
 NAME. Models load on their first request (--pin loads them at start-up) and are evicted
