@@ -18,9 +18,10 @@ only with --out. On a CPU shared with other work, --threads 1 gives steadier fig
 
 With --fsdp a third contender runs each round: the same meshyard job under
 ``parallel.strategy = "fsdp"`` on the one device, so what sharding costs where there is
-nothing to shard is measured beside ``none`` (target: within 3%).
+nothing to shard is measured beside ``none`` (target: within 3%). With --untuned another
+runs ``none`` with ``train.compile_tuning = false``: what tuning the compiled kernels gains.
 
-    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp]
+    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp] [--untuned]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
 """
 
@@ -208,10 +209,11 @@ def meshyard_overrides(args: argparse.Namespace, device: torch.device, run_dir: 
     ]
 
 
-def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, strategy: str) -> Outcome:
+def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, strategy: str,
+                 extra: list[str]) -> Outcome:
     """``meshyard.run`` in this process; wall time between its records' ``time`` stamps."""
     start_memory(device)
-    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir, strategy)), nproc=1)
+    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir, strategy) + extra), nproc=1)
     records = result.metrics()
     if len(records) != args.steps:
         raise SystemExit(f"meshyard recorded {len(records)} steps, expected {args.steps} ({result.run_dir})")
@@ -223,8 +225,11 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, 
     return Outcome(tokens / seconds, first, peak_memory(device))
 
 
-# Contender name -> meshyard's parallel.strategy (None: the plain loop).
-CONTENDERS = {"plain": None, "meshyard": "none", "fsdp": "fsdp"}
+# Contender name -> meshyard's parallel.strategy (None: the plain loop) and further overrides.
+CONTENDERS: dict[str, tuple[str | None, list[str]]] = {
+    "plain": (None, []), "meshyard": ("none", []), "fsdp": ("fsdp", []),
+    "untuned": ("none", ["--train.compile_tuning=false"]),
+}
 
 
 def parse_args() -> tuple[argparse.Namespace, torch.device]:
@@ -243,6 +248,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads of both (default: torch's)")
     parser.add_argument("--fsdp", action="store_true", help="also time meshyard under strategy fsdp")
+    parser.add_argument("--untuned", action="store_true",
+                        help="also time meshyard with train.compile_tuning = false (what kernel tuning gains)")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
     # Internal: each contender's run is a fresh process, so neither inherits the other's
     # threads, allocator or compiled code; the driver reads its outcome back.
@@ -289,13 +296,13 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(device) if cuda else f"CPU, {args.threads} threads"
 
     if args.contender is not None:
-        strategy = CONTENDERS[args.contender]
+        strategy, extra = CONTENDERS[args.contender]
         outcome = (plain_run(args, device, reference_params) if strategy is None
-                   else meshyard_run(args, device, args.run_dir, strategy))
+                   else meshyard_run(args, device, args.run_dir, strategy, extra))
         print(OUTCOME_PREFIX + json.dumps(asdict(outcome)), flush=True)
         return
 
-    names = ["plain", "meshyard", "fsdp"] if args.fsdp else ["plain", "meshyard"]
+    names = ["plain", "meshyard"] + ["fsdp"] * args.fsdp + ["untuned"] * args.untuned
     runs: dict[str, list[Outcome]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
@@ -335,6 +342,9 @@ def main() -> None:
     fsdp_vs_none = median_ratio("fsdp", "meshyard") if args.fsdp else None
     if fsdp_vs_none is not None:
         print(f"ratio fsdp / none tokens/s (median of rounds): {fsdp_vs_none:.4f} (target: >= 0.97)")
+    tuned_vs_untuned = median_ratio("meshyard", "untuned") if args.untuned else None
+    if tuned_vs_untuned is not None:
+        print(f"ratio compile_tuning auto / false tokens/s (median of rounds): {tuned_vs_untuned:.4f}")
     mfu = summary["meshyard"]["mfu"]
     if cuda:
         met = ratio >= 1.0 and mfu is not None and mfu >= 0.40
@@ -354,7 +364,7 @@ def main() -> None:
                        "dtype": str(dtype).removeprefix("torch."), "compile": args.compile, "steps": args.steps,
                        "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None},
             "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
-            "fsdp_vs_none": fsdp_vs_none,
+            "fsdp_vs_none": fsdp_vs_none, "tuned_vs_untuned": tuned_vs_untuned,
             "contenders": summary,
         }, indent=2) + "\n")
         print(f"wrote {out}")

@@ -16,7 +16,8 @@ from meshyard.cli import main
 from meshyard.config.sections import Config
 from meshyard.models.gpt import GPT, GPTShape
 from meshyard.parallel.activation_checkpoint import apply_ac, checkpointed_blocks
-from meshyard.parallel.compile import Compilation, apply_compile, compiled_graphs, resolve_compile
+from meshyard.parallel.compile import (Compilation, apply_compile, compiled_graphs, inductor_options,
+                                      resolve_compile)
 from meshyard.train.precision import build_precision
 from meshyard.train.step import CompileFailed, MicroBatchStep
 from meshyard.validate import validate
@@ -38,6 +39,21 @@ UNCOMPILABLE = "--model.name=tests/models/user_models.py:untraceable"
 def test_auto_compiles_on_cuda_only():
     assert resolve_compile("auto", torch.device("cuda")) and not resolve_compile("auto", torch.device("cpu"))
     assert resolve_compile(True, torch.device("cpu")) and not resolve_compile(False, torch.device("cuda"))
+
+
+def test_kernel_tuning_is_an_inductor_option_on_cuda_by_default():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert inductor_options("auto", cuda) == {"coordinate_descent_tuning": True}
+    assert inductor_options("auto", cpu) == {} and inductor_options(False, cuda) == {}
+    tuned = inductor_options(True, cpu)
+    # Names Inductor knows: torch.compile rejects unknown options only at the first call.
+    import torch._inductor.config as inductor_config
+
+    assert tuned and set(tuned) <= set(inductor_config.get_config_copy())
+    compilation = Compilation(True, tuned)
+    apply_compile(GPT(SHAPE), compilation)
+    assert compilation.describe() == "Block x3 (tuned kernels)"
+    assert Compilation(True, tuned).describe() == ""  # nothing compiled, nothing tuned
 
 
 def test_compiling_blocks_keeps_names_and_checkpointing_and_reverts():

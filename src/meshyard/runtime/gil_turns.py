@@ -22,7 +22,7 @@ import logging
 import sys
 import threading
 
-BACKGROUND_SWITCH_INTERVAL_S = 0.0005
+BACKGROUND_SWITCH_INTERVAL_S = 0.0001
 _SAME_INTERVAL_S = 1e-6  # CPython keeps the interval in whole microseconds
 
 log = logging.getLogger(__name__)

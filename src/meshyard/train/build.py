@@ -47,7 +47,7 @@ from meshyard.metrics.setup import build_cost, build_exporters, build_meter, bui
 from meshyard.metrics.waste import WasteWatch
 from meshyard.models.registry import build_model
 from meshyard.parallel.data_parallel import unwrap
-from meshyard.parallel.compile import Compilation, resolve_compile
+from meshyard.parallel.compile import Compilation, inductor_options, resolve_compile
 from meshyard.parallel.layout import Layout
 from meshyard.parallel.materialize import build_model_deferred, materialize
 from meshyard.parallel.parallelize import Parallelized, parallelize
@@ -176,7 +176,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
     compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
     runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
-                               Compilation(cfg.train.compile) if compile_whole else None)
+                               _compilation(cfg, runtime.device) if compile_whole else None)
     facts = RunFacts(
         parameters=parameters, model_init=model_init, compiled=runner.compilation.describe() or "nothing",
         world_size=runtime.world_size, local_world_size=_local_world_size(runtime), backend=runtime.backend,
@@ -248,7 +248,7 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
                                hook_wrapper=timer.comm.wrap if timer.comm else None, log=observers.logger.info,
                                example_tokens=example_micro_batch(placement.batch.micro_batch, layout.microbatches,
                                                                   cfg.data.seq_len),
-                               compilation=Compilation(cfg.train.compile) if compile_blocks else None)
+                               compilation=_compilation(cfg, runtime.device) if compile_blocks else None)
     model_init = "meta" if init_record is not None else "device"
     if init_record is not None:
         # This rank's shards and stages, valued as in a full build.
@@ -271,6 +271,11 @@ def build_optimization(cfg: Config, parallelized: Parallelized, placement: Place
     precision = build_precision(dtype, device, sharded_grads=layout.sharded_grads, model_casts=layout.model_casts,
                                 growth_interval=cfg.precision.loss_scale_growth_interval)
     return Optimization(optimizer, scheduler, precision)
+
+
+def _compilation(cfg: Config, device: torch.device) -> Compilation:
+    """What ``train.compile`` and ``train.compile_tuning`` ask of each compiled region."""
+    return Compilation(cfg.train.compile, inductor_options(cfg.train.compile_tuning, device))
 
 
 def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization: Optimization,
