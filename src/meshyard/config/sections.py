@@ -140,10 +140,10 @@ class TrainConfig:
         "parallelism, each transformer block under DDP, FSDP, TP and PP. 'auto' compiles on CUDA and not on CPU "
         "(a first compile costs tens of seconds) and trains a model that does not compile eagerly, with one "
         "warning; true compiles everywhere and stops at the first step if the model does not compile.")
-    compile_tuning: Literal["auto", True, False] = option(
-        "auto", "Tune the launch of every kernel torch.compile generates (Inductor's coordinate-descent tuning): "
-        "the first compile takes longer, every step after it runs faster. 'auto' tunes on CUDA, whose compiled "
-        "kernels are Triton's; CPU kernels have nothing to tune. No effect when nothing compiles.")
+    compile_tuning: bool = option(
+        False, "Tune the launch of every Triton kernel torch.compile generates (Inductor's coordinate-descent "
+        "tuning of block sizes and warps; CUDA): steps may run faster, and the first compile takes about twice "
+        "as long (GPT-2 124M on an H100: 72 s against 35 s to the first step). No effect when nothing compiles.")
 
 
 @dataclass

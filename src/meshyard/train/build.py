@@ -275,7 +275,7 @@ def build_optimization(cfg: Config, parallelized: Parallelized, placement: Place
 
 def _compilation(cfg: Config, device: torch.device) -> Compilation:
     """What ``train.compile`` and ``train.compile_tuning`` ask of each compiled region."""
-    return Compilation(cfg.train.compile, inductor_options(cfg.train.compile_tuning, device))
+    return Compilation(cfg.train.compile, inductor_options(cfg.train.compile_tuning))
 
 
 def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization: Optimization,
