@@ -42,6 +42,7 @@ class RunDir:
     FAILURES: ClassVar[str] = "failures"  # under LOGS
     AGENT_LOG: ClassVar[str] = "agent.log"  # under LOGS
     HANG: ClassVar[str] = "hang"  # the hang watchdog's stacks and reports
+    PROFILE: ClassVar[str] = "profile"  # torch.profiler's traces and tables of metrics.profile_steps
     CHECKPOINTS: ClassVar[str] = "checkpoints"  # unless checkpoint.dir names another folder
     RUN_ID: ClassVar[str] = "run_id"  # the id this run's checkpoints carry
     REPORT: ClassVar[str] = "report.html"  # meshyard doctor report
@@ -159,6 +160,10 @@ class RunDir:
     @property
     def hang(self) -> Path:
         return self.path / self.HANG
+
+    @property
+    def profile(self) -> Path:
+        return self.path / self.PROFILE
 
     def hang_stacks(self, rank: int) -> Path:
         return self.hang / f"rank{rank}.txt"

@@ -121,3 +121,18 @@ def test_a_nonfinite_step_stops_before_its_update_under_stop(tmp_path, one_rank_
     assert [record["step"] for record in records if "nonfinite" in record] == [3, 4, 5]
     assert records[2]["nonfinite"] == [{"rank": 0, "what": "loss", "value": "nan"},
                                        {"rank": "all", "what": "gradient norm", "value": "nan"}]
+
+
+def test_a_profile_window_ends_with_its_last_step(tmp_path, one_rank_group, one_torch_thread):
+    trainer = _trainer(tmp_path, "profiled", True, "--train.steps=5", "--metrics.profile_steps=[2, 3]")
+    calls = _order_of_calls(trainer)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    # Step 4 is issued only once step 3, the window's last, is recorded: the trace holds steps 2 and 3.
+    assert calls == ["issue 1", "issue 2", "settle 1", "issue 3", "settle 2", "settle 3", "issue 4", "issue 5",
+                     "settle 4", "settle 5"]
+    assert [record.get("profiled", False) for record in read_metrics(trainer.run_dir)] == [
+        False, True, True, False, False]
+    assert (trainer.run_dir / "profile" / "rank-0.trace.json").exists()

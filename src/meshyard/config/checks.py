@@ -42,6 +42,7 @@ def field_problems(cfg: Config) -> list[str]:
         *_fault_problems(cfg.fault),
         *_guard_problems(cfg.guard, cfg.checkpoint),
         *_metrics_problems(cfg.metrics),
+        *_profile_problems(cfg.metrics, cfg.train),
         *_run_problems(cfg.run),
         *_serve_problems(cfg.serve),
     ]
@@ -377,6 +378,29 @@ def _metrics_problems(m: MetricsConfig) -> list[str]:
          f"({m.waste_window})"),
         (0 < m.data_stall_share < 1, f"metrics.data_stall_share = {m.data_stall_share} must be in (0, 1)"),
         (0 < m.exposed_comm_share < 1, f"metrics.exposed_comm_share = {m.exposed_comm_share} must be in (0, 1)"),
+    ])
+
+
+def profile_window(m: MetricsConfig) -> tuple[int, int] | None:
+    """``metrics.profile_steps`` as (first, last), or None when empty or not two whole steps."""
+    steps = m.profile_steps
+    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        return None
+    return steps[0], steps[1]
+
+
+def _profile_problems(m: MetricsConfig, t: TrainConfig) -> list[str]:
+    if not m.profile_steps:
+        return []
+    window = profile_window(m)
+    if window is None:
+        return [f"metrics.profile_steps = {m.profile_steps} is not [first, last]: give two step numbers, e.g. "
+                "[20, 22] (or [] to profile nothing)"]
+    first, last = window
+    return _failed([
+        (1 <= first <= last, f"metrics.profile_steps = [{first}, {last}] needs 1 <= first <= last"),
+        (first <= t.steps, f"metrics.profile_steps starts at step {first}, after the run's last (train.steps = "
+         f"{t.steps}): profile earlier steps, e.g. [{max(1, t.steps - 2)}, {t.steps}]"),
     ])
 
 

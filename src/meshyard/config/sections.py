@@ -365,6 +365,12 @@ class MetricsConfig:
     gather_every: int = option(10, "Gather every rank's figures to rank 0 every this many steps; 0 disables.")
     straggler_factor: float = option(1.25, "Name a rank whose busy time exceeds the median rank's by this factor.")
     mfu: bool = option(True, "Report model FLOPs utilisation (CPU: against a measured matmul peak).")
+    profile_steps: list = option(
+        [], f"Steps to record with torch.profiler, [first, last] (e.g. [20, 22]; []: none). Every rank writes "
+        f"<run dir>/{RunDir.PROFILE}/rank-<r>.txt (the operators and kernels that took the most time, by device "
+        "time on CUDA) and rank-<r>.trace.json (a Chrome trace, for Perfetto or chrome://tracing). Profiled steps "
+        "run slower: their records carry profiled = true and the doctor leaves them out. Once per run: not for a "
+        "run resumed past the first step, nor again for steps trained again after a rollback.")
     prometheus: bool = option(False, "Serve metrics for Prometheus from rank 0.")
     prometheus_host: str = option("127.0.0.1", "Address of the Prometheus endpoint (loopback unless you open it).")
     prometheus_port: int = option(

@@ -102,8 +102,10 @@ def load_run(run_dir: Path) -> tuple[Config, dict[str, Any], list[dict[str, Any]
 
 
 def steady_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records after the start-up steps."""
-    return records[max(1, len(records) // 10):] or records
+    """The records after the start-up steps, less those recorded by torch.profiler (which
+    slows the steps it records)."""
+    steady = records[max(1, len(records) // 10):] or records
+    return [r for r in steady if not r.get("profiled")] or steady
 
 
 def gather_evidence(facts: dict[str, Any], records: list[dict[str, Any]]) -> RunEvidence:

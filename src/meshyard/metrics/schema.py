@@ -166,6 +166,8 @@ FIELDS: dict[str, Field] = {
     "replay": Field((bool,), False, "", "true on a step trained again after the spike and NaN guard rolled back "
                     "(only then): its number was recorded before, and this record supersedes that one",
                     "train.trainer"),
+    "profiled": Field((bool,), False, "", "true on a step recorded by torch.profiler (metrics.profile_steps; only "
+                      "then): it ran slower than the others, and the doctor leaves it out", "train.trainer"),
     "ranks": Field((dict,), False, "", "every rank's mean figures over the last window: RANK_FIELDS -> list by "
                    "rank (every metrics.gather_every steps)", "metrics.ranks"),
     "stragglers": Field((list,), False, "rank", "ranks whose busy time exceeds the median by "

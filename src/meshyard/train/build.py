@@ -36,12 +36,14 @@ from meshyard.checkpoint.manager import CheckpointManager, NullCheckpointManager
 from meshyard.checkpoint.resume import ResumeError, checkpoint_root, restart_count
 from meshyard.checkpoint.storage import CheckpointStore
 from meshyard.config.dump import config_hash, config_to_toml
+from meshyard.config.checks import profile_window
 from meshyard.config.sections import Config
 from meshyard.data.loader import DataBundle, build_data
 from meshyard.fault.guard import SpikeGuard
 from meshyard.fault.preemption import NullWatcher, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.metrics.console import NullDisplay, ProgressDisplay
+from meshyard.metrics.profiling import NullProfiler, StepProfiler
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks, rank_logger
 from meshyard.metrics.setup import build_cost, build_exporters, build_meter, build_timer
 from meshyard.metrics.waste import WasteWatch
@@ -196,7 +198,8 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     guard_log = JsonlWriter(RunDir(run_dir).guard) if guard is not None and runtime.is_main else NullWriter()
     services = Services(Sinks(observers.display, _writer(cfg, runtime, run_dir), observers.logger,
                               build_exporters(cfg.metrics, run_dir) if runtime.is_main else []),
-                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog, guard_log, cost)
+                        meter, checkpointer, preemption or NullWatcher(), observers.watchdog, guard_log, cost,
+                        _profiler(cfg, runtime, run_dir, observers))
     trainer = Trainer(parallelized, runner,
                       optimization, Feed(data, batch, cfg.data.seq_len, placement.dp_rank), cfg.train, services,
                       progress, on_nonfinite=cfg.fault.on_nonfinite, guard=guard,
@@ -271,6 +274,14 @@ def build_optimization(cfg: Config, parallelized: Parallelized, placement: Place
     precision = build_precision(dtype, device, sharded_grads=layout.sharded_grads, model_casts=layout.model_casts,
                                 growth_interval=cfg.precision.loss_scale_growth_interval)
     return Optimization(optimizer, scheduler, precision)
+
+
+def _profiler(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers) -> StepProfiler | NullProfiler:
+    """torch.profiler over metrics.profile_steps, on every rank."""
+    window = profile_window(cfg.metrics)
+    if window is None:
+        return NullProfiler()
+    return StepProfiler(*window, RunDir(run_dir).profile, runtime.rank, runtime.device, observers.report)
 
 
 def _compilation(cfg: Config, device: torch.device) -> Compilation:

@@ -57,6 +57,7 @@ from meshyard.fault.preemption import NullWatcher, Preempted, PreemptionWatcher
 from meshyard.fault.watchdog import HangWatchdog, NullWatchdog
 from meshyard.metrics.cost import CostMeter, NullCostMeter
 from meshyard.metrics.meter import StepMeter, StepReadings
+from meshyard.metrics.profiling import NullProfiler, StepProfiler
 from meshyard.metrics.records import JsonlWriter, NullWriter, Sinks
 from meshyard.parallel.parallelize import Parallelized
 from meshyard.runtime.batch_plan import BatchPlan
@@ -189,6 +190,8 @@ class Services:
     guard_log: JsonlWriter | NullWriter = field(default_factory=NullWriter)
     """guard.jsonl (rank 0): the spike and NaN guard's decisions."""
     cost: CostMeter | NullCostMeter = field(default_factory=NullCostMeter)
+    profiler: StepProfiler | NullProfiler = field(default_factory=NullProfiler)
+    """torch.profiler over metrics.profile_steps."""
 
 
 class Trainer:
@@ -216,6 +219,7 @@ class Trainer:
         self.sinks, self.meter, self.cost = services.sinks, services.meter, services.cost
         self.checkpoints, self.preemption, self.watchdog = services.checkpointer, services.preemption, \
             services.watchdog
+        self.profiler = services.profiler
         self.timer = self.meter.timer
         self.on_nonfinite = on_nonfinite
         self.guard, self.guard_log = guard, services.guard_log
@@ -291,6 +295,7 @@ class Trainer:
         """Issue optimizer step ``step`` over ``grad_accum`` micro-batches: fetch and copy
         its batch, forward and backward, start the agreement, update the weights, and send
         its figures back to the host without waiting for them (``settle_step`` reads them)."""
+        self.profiler.step_issued(step)
         self.meter.start_step()
         self.timer.mark("data", step)  # the step this rank is working on
         data_start = time.perf_counter()
@@ -419,6 +424,8 @@ class Trainer:
             record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
         if issued.verdict.replay:
             record["replay"] = True
+        if self.profiler.covers(step):
+            record["profiled"] = True
         if not issued.verdict.keep:
             record["guard"] = issued.verdict.reason
             self._report_not_kept(step, issued.verdict, agreed.loss, record["grad_norm"])
@@ -434,6 +441,7 @@ class Trainer:
         self.checkpoints.poll()
         record.update(self._checkpoint_figures())
         self.sinks.record_step(record, local_loss=read["local_loss"])
+        self.profiler.step_recorded(step)
         return record, agreed
 
     def _cost_figures(self, step: int, step_time: float) -> dict[str, float]:
@@ -445,9 +453,11 @@ class Trainer:
 
     def _may_issue_ahead(self, step: int) -> bool:
         """Whether step ``step + 1`` may be issued before ``step`` is settled: not when
-        anything reads or saves the weights of ``step`` (evaluation, a checkpoint)."""
+        anything reads or saves the weights of ``step`` (evaluation, a checkpoint), nor after
+        the last step of a profile window (its trace ends with that step)."""
         return (self.read_ahead and step < self.cfg.steps and not self.checkpoints.due(step)
-                and not self._should_evaluate(step) and not self._snapshot_step(step))
+                and not self._should_evaluate(step) and not self._snapshot_step(step)
+                and not self.profiler.ends_at(step))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -523,6 +533,7 @@ class Trainer:
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
             self.checkpoints.wait()
         finally:
+            self.profiler.close()
             self.sinks.display.stop()
             self.collector.stop()
         return self._summary(time.perf_counter() - start)
