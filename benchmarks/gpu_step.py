@@ -20,8 +20,11 @@ With --fsdp a third contender runs each round: the same meshyard job under
 ``parallel.strategy = "fsdp"`` on the one device, so what sharding costs where there is
 nothing to shard is measured beside ``none`` (target: within 3%). With --tuned another
 runs ``none`` with ``train.compile_tuning = true``: what tuning the compiled kernels gains.
+With --profile each meshyard contender also records two of its warmup steps with
+torch.profiler (``metrics.profile_steps``) and the script prints their operator and kernel
+tables (device time first on CUDA) after the figures: where the trainer's step goes.
 
-    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp] [--tuned]
+    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp] [--tuned] [--profile]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
 """
 
@@ -130,6 +133,7 @@ class Outcome:
     tokens_per_s: float
     first_steps_s: float  # the warmup steps, compilation included
     peak_memory_bytes: int | None
+    profile: str | None = None  # with --profile: meshyard's operator and kernel table of two warmup steps
 
 
 def synchronize(device: torch.device) -> None:
@@ -213,7 +217,10 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, 
                  extra: list[str]) -> Outcome:
     """``meshyard.run`` in this process; wall time between its records' ``time`` stamps."""
     start_memory(device)
-    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir, strategy) + extra), nproc=1)
+    # Two steps late in the warmup, after compilation and before the timed steps.
+    profiled = [f"--metrics.profile_steps=[{args.warmup - 2}, {args.warmup - 1}]"] if args.profile else []
+    result = meshyard.run(load_config(None, meshyard_overrides(args, device, run_dir, strategy) + extra + profiled),
+                          nproc=1)
     records = result.metrics()
     if len(records) != args.steps:
         raise SystemExit(f"meshyard recorded {len(records)} steps, expected {args.steps} ({result.run_dir})")
@@ -222,7 +229,8 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, 
     seconds = records[-1]["time"] - records[args.warmup - 1]["time"]
     tokens = (args.steps - args.warmup) * args.batch * args.seq_len
     first = sum(r["step_time_s"] for r in records[: args.warmup])
-    return Outcome(tokens / seconds, first, peak_memory(device))
+    table = run_dir / "profile" / "rank-0.txt"
+    return Outcome(tokens / seconds, first, peak_memory(device), table.read_text() if args.profile else None)
 
 
 # Contender name -> meshyard's parallel.strategy (None: the plain loop) and further overrides.
@@ -250,6 +258,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--fsdp", action="store_true", help="also time meshyard under strategy fsdp")
     parser.add_argument("--tuned", action="store_true",
                         help="also time meshyard with train.compile_tuning = true (what kernel tuning gains)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each meshyard contender's torch.profiler table of two warmup steps (round 1)")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
     # Internal: each contender's run is a fresh process, so neither inherits the other's
     # threads, allocator or compiled code; the driver reads its outcome back.
@@ -263,6 +273,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
             setattr(args, key, value)
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")
+    if args.profile and args.warmup < 3:
+        parser.error("--profile records two warmup steps after the first: give --warmup 3 or more")
     return args, device
 
 
@@ -368,6 +380,9 @@ def main() -> None:
             "contenders": summary,
         }, indent=2) + "\n")
         print(f"wrote {out}")
+    for name in names:
+        if runs[name][0].profile:
+            print(f"\n{name}, round 1: {runs[name][0].profile}")
 
 
 if __name__ == "__main__":
