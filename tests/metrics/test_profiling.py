@@ -4,6 +4,7 @@ run directory, the window's records marked, and the doctor's steady steps withou
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from meshyard.metrics.profiling import StepProfiler
 from meshyard.run_dir import RunDir
 from tests.conftest import tiny_config
 from tests.inprocess import fit_here
+from tests.train.test_guard import DATA, GUARD, RUN
 
 
 def test_a_window_of_steps_is_profiled_into_a_table_and_a_trace(tmp_path):
@@ -38,7 +40,7 @@ def test_a_run_that_ends_inside_the_window_writes_what_was_profiled(tmp_path):
     assert profiler.covers(2) and not profiler.ends_at(2)
     profiler.step_recorded(2)
     profiler.close()
-    assert (tmp_path / "rank-1.txt").read_text().startswith("rank 1, steps from 2 (the run ended)")
+    assert (tmp_path / "rank-1.txt").read_text().startswith("rank 1, step 2 (the run ended before step 9)")
     assert not profiler.covers(3)
     profiler.step_issued(2)  # a step trained again after a rollback: profiled once only
     assert not profiler.covers(2)
@@ -56,6 +58,9 @@ def test_the_window_s_last_step_holds_back_the_next_one():
 
 @pytest.mark.parametrize("window, problem", [
     ("[3]", "is not [first, last]"),
+    ("[2.0, 3.0]", "is not [first, last]"),
+    ("[true, 3]", "is not [first, last]"),
+    ("'2-3'", "is not [first, last]"),
     ("[4, 2]", "needs 1 <= first <= last"),
     ("[0, 2]", "needs 1 <= first <= last"),
     ("[7, 9]", "after the run's last (train.steps = 4)"),
@@ -68,3 +73,22 @@ def test_a_bad_window_is_named(tmp_path, window, problem):
 def test_the_doctor_leaves_profiled_steps_out_of_the_steady_ones():
     records = [{"step": i, **({"profiled": True} if i in (12, 13) else {})} for i in range(1, 21)]
     assert [r["step"] for r in steady_records(records)] == [3, *range(4, 12), *range(14, 21)]
+
+
+def test_writing_the_profile_is_no_step_s_time_and_its_failure_no_run_s(tmp_path, monkeypatch):
+    def slow_and_failing(self, prof, steps):
+        time.sleep(0.5)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(StepProfiler, "_write", slow_and_failing)
+    records = fit_here(tiny_config(tmp_path, "--train.steps=5", "--metrics.profile_steps=[2, 3]"))
+    assert len(records) == 5 and records[3]["step_time_s"] < 0.5
+
+
+def test_a_rollback_inside_the_window_ends_the_profile(tmp_path, one_torch_thread):
+    # The guard rolls back from step 26 to step 20 (tests/train/test_guard.py).
+    cfg = tiny_config(tmp_path, f"--data.source={DATA}:poisoned", *RUN, *GUARD, "--metrics.profile_steps=[25, 30]")
+    records = fit_here(cfg)
+    assert [(r["step"], r.get("replay", False)) for r in records if r.get("profiled")] == [(25, False), (26, False)]
+    table = (RunDir(cfg.run.run_dir).profile / "rank-0.txt").read_text()
+    assert table.startswith("rank 0, steps 25-26 (then rolled back before step 30)")

@@ -130,8 +130,9 @@ def test_a_profile_window_ends_with_its_last_step(tmp_path, one_rank_group, one_
         trainer.fit()
     finally:
         trainer.close()
-    # Step 4 is issued only once step 3, the window's last, is recorded: the trace holds steps 2 and 3.
-    assert calls == ["issue 1", "issue 2", "settle 1", "issue 3", "settle 2", "settle 3", "issue 4", "issue 5",
+    # Step 2 is issued only once step 1 is recorded, and step 4 once step 3, the window's last,
+    # is: the trace holds steps 2 and 3 alone.
+    assert calls == ["issue 1", "settle 1", "issue 2", "issue 3", "settle 2", "settle 3", "issue 4", "issue 5",
                      "settle 4", "settle 5"]
     assert [record.get("profiled", False) for record in read_metrics(trainer.run_dir)] == [
         False, True, True, False, False]

@@ -9,10 +9,13 @@ issue to the end of the last one's record, and then writes into ``<run dir>/prof
 - ``rank-<r>.txt``: the operators and kernels that took the most time over the window,
   by their own device time on CUDA (by host time on the CPU), with the window's steps.
 
-The trainer issues no step past the window's last before that one is recorded, so the
-trace holds the window's steps and nothing of the next. Profiled steps run slower (the
-profiler records every operator): their records carry ``profiled``, and the doctor leaves
-them out of its steady steps.
+The trainer issues the window's first step only once the step before it is recorded, and
+no step past the window's last before that one is recorded, so the trace holds the
+window's steps and nothing of their neighbours (an evaluation or a checkpoint due inside
+the window is in it too). A guard rollback inside the window ends the profile there: the
+steps trained again are not profiled. Profiled steps run slower (the profiler records
+every operator): their records carry ``profiled``, and the doctor leaves them out of its
+steady steps; writing the profile is counted in no step's time.
 """
 
 from __future__ import annotations
@@ -40,11 +43,17 @@ class StepProfiler:
         self.folder, self.rank, self.device = folder, rank, device
         self.report = report
         self._profile: profile | None = None
+        self._recorded: int | None = None  # the window's last step recorded so far
         self._done = False
 
     def covers(self, step: int) -> bool:
         """Whether ``step`` runs under the profiler (its record is marked ``profiled``)."""
         return self._profile is not None and self.first <= step <= self.last
+
+    def starts_after(self, step: int) -> bool:
+        """Whether the window's first step follows ``step``: it waits for ``step``'s record,
+        so that the trace starts with it (and the profiler's start is counted in its time)."""
+        return not self._done and self._profile is None and step + 1 == self.first
 
     def ends_at(self, step: int) -> bool:
         """Whether ``step`` is the window's last while it is being profiled: the next step
@@ -58,27 +67,47 @@ class StepProfiler:
             self._profile = profile(activities=activities)
             self._profile.start()
 
-    def step_recorded(self, step: int) -> None:
-        """Called after ``step``'s record is written: the window's last stops the profiler."""
-        if self._profile is not None and step >= self.last:
-            self._finish(step)
+    def step_recorded(self, step: int) -> bool:
+        """Called after ``step``'s record is written: the window's last stops the profiler
+        and writes the profile. Returns whether it did (that took time of no step's)."""
+        if self._profile is None:
+            return False
+        self._recorded = step
+        if step < self.last:
+            return False
+        self._finish(None)
+        return True
+
+    def rolled_back(self) -> None:
+        """The guard rolled back inside the window: what was profiled is written, and the
+        steps trained again are not profiled (nor are their records marked)."""
+        if self._profile is not None:
+            self._finish("then rolled back")
 
     def close(self) -> None:
         """The run ends (or fails) inside the window: what was profiled is written all the same."""
         if self._profile is not None:
-            self._finish(None)
+            self._finish("the run ended")
 
-    def _finish(self, last_step: int | None) -> None:
+    def _finish(self, cut_short: str | None) -> None:
         prof, self._profile, self._done = self._profile, None, True
         assert prof is not None
-        prof.stop()
+        recorded = (f"step {self.first}" if self._recorded in (None, self.first)
+                    else f"steps {self.first}-{self._recorded}")
+        steps = recorded if cut_short is None else f"{recorded} ({cut_short} before step {self.last})"
+        try:
+            prof.stop()
+            self._write(prof, steps)
+        except Exception as exc:  # a profile is never worth a run (nor the error that ended it)
+            log.warning("metrics.profile_steps: the profile of %s was not written: %s", steps, exc)
+
+    def _write(self, prof: profile, steps: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"rank-{self.rank}.trace.json"
         table = self.folder / f"rank-{self.rank}.txt"
         prof.export_chrome_trace(str(trace))
         cuda = self.device.type == "cuda"
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-        steps = f"steps {self.first}-{last_step}" if last_step is not None else f"steps from {self.first} (the run ended)"
         heading = (f"rank {self.rank}, {steps}, on {self.device}: operators and kernels by their own "
                    f"{'device' if cuda else 'host'} time (torch.profiler)\n")
         table.write_text(heading + prof.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS) + "\n")
@@ -92,13 +121,19 @@ class NullProfiler:
     def covers(self, step: int) -> bool:
         return False
 
+    def starts_after(self, step: int) -> bool:
+        return False
+
     def ends_at(self, step: int) -> bool:
         return False
 
     def step_issued(self, step: int) -> None:
         pass
 
-    def step_recorded(self, step: int) -> None:
+    def step_recorded(self, step: int) -> bool:
+        return False
+
+    def rolled_back(self) -> None:
         pass
 
     def close(self) -> None:

@@ -178,7 +178,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
     compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
     runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
-                               _compilation(cfg, runtime.device) if compile_whole else None)
+                               _compilation(cfg) if compile_whole else None)
     facts = RunFacts(
         parameters=parameters, model_init=model_init, compiled=runner.compilation.describe() or "nothing",
         world_size=runtime.world_size, local_world_size=_local_world_size(runtime), backend=runtime.backend,
@@ -251,7 +251,7 @@ def build_parallel_model(cfg: Config, runtime: Runtime, placement: Placement, da
                                hook_wrapper=timer.comm.wrap if timer.comm else None, log=observers.logger.info,
                                example_tokens=example_micro_batch(placement.batch.micro_batch, layout.microbatches,
                                                                   cfg.data.seq_len),
-                               compilation=_compilation(cfg, runtime.device) if compile_blocks else None)
+                               compilation=_compilation(cfg) if compile_blocks else None)
     model_init = "meta" if init_record is not None else "device"
     if init_record is not None:
         # This rank's shards and stages, valued as in a full build.
@@ -284,7 +284,7 @@ def _profiler(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers
     return StepProfiler(*window, RunDir(run_dir).profile, runtime.rank, runtime.device, observers.report)
 
 
-def _compilation(cfg: Config, device: torch.device) -> Compilation:
+def _compilation(cfg: Config) -> Compilation:
     """What ``train.compile`` and ``train.compile_tuning`` ask of each compiled region."""
     return Compilation(cfg.train.compile, inductor_options(cfg.train.compile_tuning))
 

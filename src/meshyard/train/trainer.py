@@ -422,13 +422,7 @@ class Trainer:
         record.update(self._cost_figures(step, step_time))
         if nonfinite or not math.isfinite(record["grad_norm"]):
             record["nonfinite"] = self._report_nonfinite(step, read["local_loss"], record["grad_norm"])
-        if issued.verdict.replay:
-            record["replay"] = True
-        if self.profiler.covers(step):
-            record["profiled"] = True
-        if not issued.verdict.keep:
-            record["guard"] = issued.verdict.reason
-            self._report_not_kept(step, issued.verdict, agreed.loss, record["grad_norm"])
+        record.update(self._marks(issued, agreed.loss, record["grad_norm"]))
         if self.meter.gather_due(step):
             record.update(self.meter.gather() or {})
         self._last_eval_loss = None
@@ -441,8 +435,22 @@ class Trainer:
         self.checkpoints.poll()
         record.update(self._checkpoint_figures())
         self.sinks.record_step(record, local_loss=read["local_loss"])
-        self.profiler.step_recorded(step)
+        if self.profiler.step_recorded(step):
+            self._period_start = time.perf_counter()  # writing the profile is not the next step's time
         return record, agreed
+
+    def _marks(self, issued: IssuedStep, loss: float, grad_norm: float) -> dict[str, Any]:
+        """What sets a step's record apart: trained again after a rollback, run under the
+        profiler, or not kept by the guard (reported here)."""
+        marks: dict[str, Any] = {}
+        if issued.verdict.replay:
+            marks["replay"] = True
+        if self.profiler.covers(issued.step):
+            marks["profiled"] = True
+        if not issued.verdict.keep:
+            marks["guard"] = issued.verdict.reason
+            self._report_not_kept(issued.step, issued.verdict, loss, grad_norm)
+        return marks
 
     def _cost_figures(self, step: int, step_time: float) -> dict[str, float]:
         """The step's cost, the run's so far (kept in ``progress``, which checkpoints carry)
@@ -453,11 +461,11 @@ class Trainer:
 
     def _may_issue_ahead(self, step: int) -> bool:
         """Whether step ``step + 1`` may be issued before ``step`` is settled: not when
-        anything reads or saves the weights of ``step`` (evaluation, a checkpoint), nor after
-        the last step of a profile window (its trace ends with that step)."""
+        anything reads or saves the weights of ``step`` (evaluation, a checkpoint), nor at
+        either end of a profile window (its trace holds its steps alone)."""
         return (self.read_ahead and step < self.cfg.steps and not self.checkpoints.due(step)
                 and not self._should_evaluate(step) and not self._snapshot_step(step)
-                and not self.profiler.ends_at(step))
+                and not self.profiler.starts_after(step) and not self.profiler.ends_at(step))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -533,9 +541,9 @@ class Trainer:
                 self.save_checkpoint(blocking=True, eval_loss=self._last_eval_loss)
             self.checkpoints.wait()
         finally:
-            self.profiler.close()
             self.sinks.display.stop()
             self.collector.stop()
+            self.profiler.close()
         return self._summary(time.perf_counter() - start)
 
     def _save_if_due(self, waiting: bool) -> bool:
@@ -590,6 +598,7 @@ class Trainer:
         for it and skip their samples (raises ``GuardStop`` past ``guard.max_rollbacks``,
         or when there is nothing to return to)."""
         assert self.guard is not None
+        self.profiler.rolled_back()  # the steps trained again are not profiled
         from_step, sampler = self.progress.step, self.data.sampler
         first_bad = from_step - self.guard.in_a_row + 1
         stream_steps = [sampler.stream_step(step) for step in range(first_bad, from_step + 1)]
