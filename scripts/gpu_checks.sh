@@ -59,7 +59,8 @@ second() {
     echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024; none, fsdp and none with tuned kernels against the plain loop)"
     t=$(limit 340); (( t )) || { skipped; return; }
     timeout -k 5 "$t" python3 benchmarks/gpu_step.py --rounds 1 --fsdp --tuned --profile --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
-    sed -n '/^round/,/^wrote/p' "$out/gpu_step.txt"  # the figures; the profile tables follow them in the file
+    # The figures (the profile tables follow them in the file), or how the run ended without them.
+    if grep -q "^round" "$out/gpu_step.txt"; then sed -n '/^round/,/^wrote/p' "$out/gpu_step.txt"; else tail -15 "$out/gpu_step.txt"; fi
     echo "== benchmarks/decode_step.py (gpt2-124m, bf16, 128-token prompts; target: 16 rows <= 5 ms)"
     t=$(limit 90); (( t )) || { skipped; return; }
     mkdir -p "$out/decode"
