@@ -92,3 +92,18 @@ def test_a_rollback_inside_the_window_ends_the_profile(tmp_path, one_torch_threa
     assert [(r["step"], r.get("replay", False)) for r in records if r.get("profiled")] == [(25, False), (26, False)]
     table = (RunDir(cfg.run.run_dir).profile / "rank-0.txt").read_text()
     assert table.startswith("rank 0, steps 25-26 (then rolled back before step 30)")
+
+
+def test_a_run_resumed_past_the_window_s_start_says_it_profiles_nothing(tmp_path):
+    said = []
+    profiler = StepProfiler(3, 5, tmp_path, rank=0, device=torch.device("cpu"), report=said.append)
+    profiler.resumed_at(4)
+    profiler.step_issued(5)
+    assert not profiler.covers(5) and not (tmp_path / "rank-0.txt").exists()
+    assert said == ["metrics.profile_steps = [3, 5]: the run resumed after step 4, past the window's first step, so "
+                    "nothing is profiled; give a later window to profile this run"]
+    before = StepProfiler(3, 5, tmp_path, rank=0, device=torch.device("cpu"), report=said.append)
+    before.resumed_at(2)  # resumed before the window: it is profiled
+    before.step_issued(3)
+    assert before.covers(3)
+    before.close()

@@ -60,6 +60,16 @@ class StepProfiler:
         waits for its record, so that the trace ends with it."""
         return self._profile is not None and step == self.last
 
+    def resumed_at(self, step: int) -> None:
+        """The run starts after ``step`` (0: a fresh start): a window whose first step is
+        behind it is not profiled, and rank 0 says so."""
+        if step >= self.first and not self._done:
+            self._done = True
+            if self.rank == 0:
+                self.report(f"metrics.profile_steps = [{self.first}, {self.last}]: the run resumed after step {step}, "
+                            f"past the window's first step, so nothing is profiled; give a later window to profile "
+                            f"this run")
+
     def step_issued(self, step: int) -> None:
         """Called as ``step`` starts: the window's first starts the profiler."""
         if step == self.first and self._profile is None and not self._done:
@@ -126,6 +136,9 @@ class NullProfiler:
 
     def ends_at(self, step: int) -> bool:
         return False
+
+    def resumed_at(self, step: int) -> None:
+        pass
 
     def step_issued(self, step: int) -> None:
         pass

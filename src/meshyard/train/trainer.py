@@ -486,6 +486,7 @@ class Trainer:
         # inside the step after the first save (the optimizer's part after its first step
         # on a fresh start). Nothing to do elsewhere.
         self._staging_warm = self.checkpoints.warm_staging()
+        self.profiler.resumed_at(self.progress.step)
 
     def fit(self) -> dict[str, Any]:
         """Run until ``cfg.steps`` optimizer steps are done; return the run's summary figures.
