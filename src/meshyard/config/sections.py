@@ -143,7 +143,7 @@ class TrainConfig:
     compile_tuning: bool = option(
         False, "Tune the launch of every Triton kernel torch.compile generates (Inductor's coordinate-descent "
         "tuning of block sizes and warps; CUDA): steps may run faster, and the first compile takes about twice "
-        "as long (GPT-2 124M on an H100: 72 s against 35 s to the first step). No effect when nothing compiles.")
+        "as long (GPT-2 124M on an H100: 72 s against 32 s to the first step). No effect when nothing compiles.")
 
 
 @dataclass
