@@ -61,3 +61,13 @@ def test_mfu_is_against_the_datasheet_peak(make_config):
         pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the planner's GPU catalog")
     records = _records(make_config, "ddp", "--precision.dtype=bf16")
     assert all(0 < record["mfu"] < 1 and record["model_tflops"] > 0 for record in records)
+
+
+def test_a_profile_window_lists_the_steps_kernels_by_device_time(make_config):
+    cfg = make_config("--run.device=cuda", "--parallel.strategy=ddp", "--train.steps=6",
+                      "--metrics.profile_steps=[3, 4]")
+    result = meshyard.run(cfg, nproc=1)
+    assert [record.get("profiled", False) for record in result.metrics()] == [False, False, True, True, False, False]
+    table = (result.run_dir / "profile" / "rank-0.txt").read_text()
+    assert table.startswith("rank 0, steps 3-4, on cuda:0: operators and kernels by their own device time")
+    assert "Self CUDA" in table or "Self Device" in table  # kernels were recorded, not host operators alone
