@@ -370,8 +370,8 @@ class MetricsConfig:
         f"<run dir>/{RunDir.PROFILE}/rank-<r>.txt (the operators and kernels that took the most time, by device "
         "time on CUDA) and rank-<r>.trace.json (a Chrome trace, for Perfetto or chrome://tracing). Profiled steps "
         "run slower: their records carry profiled = true and the doctor leaves them out. A few steps are enough: "
-        "a trace holds every operator and kernel (about 1 MB per step of the default job on the CPU). Once per run: not for "
-        "a run resumed past the first step; a guard rollback inside the window ends the profile there.")
+        "a trace holds every operator and kernel (about 1 MB per step of the default job on the CPU). Once per "
+        "run: not for a run resumed past the first step; a guard rollback inside the window ends the profile there.")
     prometheus: bool = option(False, "Serve metrics for Prometheus from rank 0.")
     prometheus_host: str = option("127.0.0.1", "Address of the Prometheus endpoint (loopback unless you open it).")
     prometheus_port: int = option(
