@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,14 +45,16 @@ def test_a_run_that_ends_inside_the_window_writes_what_was_profiled(tmp_path):
     assert not profiler.covers(2)
 
 
-def test_the_window_s_last_step_holds_back_the_next_one():
-    profiler = StepProfiler(3, 4, Path("unused"), rank=0, device=torch.device("cpu"))
+def test_the_window_s_ends_hold_back_the_steps_beside_them(tmp_path):
+    profiler = StepProfiler(3, 4, tmp_path, rank=0, device=torch.device("cpu"), report=lambda _: None)
+    assert profiler.starts_after(2) and not profiler.starts_after(1)
     assert not profiler.ends_at(4)  # not yet profiling
     profiler.step_issued(3)
     try:
-        assert profiler.ends_at(4) and not profiler.ends_at(3)
+        assert profiler.ends_at(4) and not profiler.ends_at(3) and not profiler.starts_after(2)
     finally:
-        profiler._profile.stop()  # the folder is never written: stopped by hand
+        profiler.close()
+    assert not profiler.starts_after(2) and not profiler.ends_at(4)  # once per run
 
 
 @pytest.mark.parametrize("window, problem", [

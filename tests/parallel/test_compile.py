@@ -44,7 +44,8 @@ def test_auto_compiles_on_cuda_only():
 def test_kernel_tuning_is_an_inductor_option_when_asked(monkeypatch):
     asked = []
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: asked.append(kwargs["options"]) or compile_(fn, **kwargs))
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **kwargs: asked.append(kwargs["options"]) or compile_(fn, **kwargs))
     Compilation(True).compile_function(lambda x: x, "identity")
     Compilation(True, inductor_options(True)).compile_function(lambda x: x, "identity")
     assert asked == [None, {"coordinate_descent_tuning": True}]  # what torch.compile is given

@@ -153,18 +153,19 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     run_dir = Path(run_dir)
     config, facts, records = load_run(run_dir)
     ev = gather_evidence(facts, records)
+    steady = steady_records(records)
     findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data, config.metrics),
                             _comm(ev, config.train, config.parallel, config.comm, config.metrics, facts),
                             _memory(ev, config.train), _compute(ev, config.train, config.precision),
-                            _expert_load(steady_records(records), config.model, config.parallel),
-                            _collector(steady_records(records), ev, config.data)) if f]
+                            _expert_load(steady, config.model, config.parallel),
+                            _collector(steady, ev, config.data)) if f]
     if not findings:
         findings = [Finding("healthy", [
             f"compute (forward + backward + optimizer) takes {_pct(ev.shares['forward'] + ev.shares['backward'] + ev.shares['optimizer'])} "
             f"of the {ev.step_time_s * 1000:.0f} ms step; data {_pct(ev.shares['data'])}, exposed communication "
             f"{_pct(ev.shares['comm'])}" + (f"; MFU {_pct(ev.mfu)}" if ev.mfu is not None else "")],
             ["nothing stands out; for more throughput per device raise train.micro_batch while memory allows"])]
-    return Diagnosis(run_dir, findings, ev, find_waste(steady_records(records), config.metrics))
+    return Diagnosis(run_dir, findings, ev, find_waste(steady, config.metrics))
 
 
 def _straggler(ev: RunEvidence, metrics: MetricsConfig, data: DataConfig) -> Finding | None:
