@@ -36,6 +36,7 @@ def field_problems(cfg: Config) -> list[str]:
         *_comm_problems(cfg.comm, cfg.parallel),
         *_combination_problems(cfg.parallel, cfg.comm, cfg.data),
         *_moe_problems(cfg.model),
+        *_fused_loss_problems(cfg.train, cfg.model, cfg.parallel),
         *_expert_parallel_problems(cfg.model, cfg.parallel),
         *_precision_problems(cfg.precision),
         *_checkpoint_problems(cfg.checkpoint),
@@ -267,6 +268,26 @@ def _context_parallel_problems(p: ParallelConfig, d: DataConfig) -> list[str]:
          f"into 2 x cp chunks, two per rank); use a multiple of {2 * p.cp}"),
         (p.pp == 1,
          f"parallel.cp = {p.cp} does not combine with parallel.pp = {p.pp}; use one of them"),
+    ])
+
+
+def _fused_loss_problems(t: TrainConfig, m: ModelConfig, p: ParallelConfig) -> list[str]:
+    """``train.fused_linear_loss`` needs a model whose forward computes the loss from its
+    hidden states (meshyard's GPT) and a whole head on each rank."""
+    if not t.fused_linear_loss:
+        return []
+    return _failed([
+        (m.name not in ("mlp", "hf"),
+         f"train.fused_linear_loss = true needs meshyard's GPT (a preset or 'gpt'), whose forward computes the "
+         f"loss from its hidden states; model.name = '{m.name}' returns logits only: set train.fused_linear_loss "
+         "= false"),
+        (p.tp == 1,
+         f"train.fused_linear_loss = true does not combine with parallel.tp = {p.tp}: tensor parallelism splits "
+         "the output head over the vocabulary (its loss runs under loss parallelism instead); set "
+         "train.fused_linear_loss = false or parallel.tp = 1"),
+        (p.pp == 1,
+         f"train.fused_linear_loss = true does not combine with parallel.pp = {p.pp}: the pipeline's last stage "
+         "computes the loss from the logits; set train.fused_linear_loss = false or parallel.pp = 1"),
     ])
 
 

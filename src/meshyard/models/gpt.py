@@ -18,6 +18,7 @@ from torch import nn
 from meshyard.models.decode_graph import DecodeGraph
 from meshyard.models.gpt_decoding import GPTDecoder
 from meshyard.models.kv_cache import CacheStep, KVCache, SlotIndex, planless_attention
+from meshyard.models.linear_cross_entropy import linear_cross_entropy
 from meshyard.models.moe import GroupedExperts, MoEFeedForward, MoEShape
 
 
@@ -125,6 +126,10 @@ class GPT(nn.Module):
     Implements the KV-cache protocol of ``meshyard.models.kv_cache``: ``init_kv_cache`` and
     ``forward(tokens, cache=..., slots=..., positions=...)`` for incremental decoding."""
 
+    fuses_head_loss = True
+    """``forward(tokens, targets=...)`` returns the mean next-token loss, computed from the
+    final hidden states with the head's weight by ``linear_cross_entropy``, without logits."""
+
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
         self.shape = shape
@@ -173,10 +178,12 @@ class GPT(nn.Module):
                        dtype=dtype or weight.dtype, device=device or weight.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, slots: SlotIndex | None = None,
-                positions: SlotIndex | None = None) -> torch.Tensor:
+                positions: SlotIndex | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) of ``tokens`` (B, T). Without ``cache``: the whole sequences from
-        position 0 (training). With it: the new tokens of each row, appended to its slot (or
-        written at ``positions``), attending to what the slot holds (see ``models.kv_cache``)."""
+        position 0 (training); given their ``targets`` (B, T), the mean next-token loss instead
+        of the logits (``fuses_head_loss``). With ``cache``: the new tokens of each row, appended
+        to its slot (or written at ``positions``), attending to what the slot holds (see
+        ``models.kv_cache``)."""
         if cache is not None:
             with planless_attention(cache.device):
                 return self._forward_cached(tokens, cache, slots, positions)
@@ -187,7 +194,10 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is not None:
+            return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, targets.reshape(-1))
+        return self.lm_head(x)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, slots: SlotIndex | None,
                         positions: SlotIndex | None) -> torch.Tensor:

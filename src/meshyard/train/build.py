@@ -178,7 +178,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
     compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
     runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
-                               _compilation(cfg) if compile_whole else None)
+                               _compilation(cfg) if compile_whole else None, cfg.train.fused_linear_loss)
     facts = RunFacts(
         parameters=parameters, model_init=model_init, compiled=runner.compilation.describe() or "nothing",
         world_size=runtime.world_size, local_world_size=_local_world_size(runtime), backend=runtime.backend,
@@ -291,17 +291,18 @@ def _compilation(cfg: Config) -> Compilation:
 
 def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization: Optimization,
                       device: torch.device, observers: Observers,
-                      whole_model_compile: Compilation | None = None) -> StepRunner:
+                      whole_model_compile: Compilation | None = None, fused_loss: bool = False) -> StepRunner:
     """A pipeline schedule for a pipelined layout, micro-batches one after another through
     the whole (possibly sharded) model otherwise. ``whole_model_compile``: where the model
     and its loss compile as one region (``Layout.compiles_whole``), the runner compiles
-    them into it; otherwise it runs the blocks ``parallelize`` compiled, if any."""
+    them into it; otherwise it runs the blocks ``parallelize`` compiled, if any. ``fused_loss``
+    (``train.fused_linear_loss``, never pipelined): the model computes its loss itself."""
     layout, model, precision = parallelized.layout, parallelized.model, optimization.precision
     if not layout.pipelined:
         return MicroBatchStep(model, precision, device, observers.timer, loss_parallel=layout.loss_parallel,
                               compilation=whole_model_compile or parallelized.compilation,
                               compile_whole=whole_model_compile is not None, report=observers.report,
-                              sequence=parallelized.sequence)
+                              sequence=parallelized.sequence, fused_loss=fused_loss)
     tied_group = tied_weight_group(mesh) if model.tied else None
     return PipelineStep(model, mesh["pp"].get_group(), layout.cfg.pp_schedule, layout.microbatches, precision,
                         device, tied_group, parallelized.compilation)

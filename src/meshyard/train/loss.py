@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-IGNORE_INDEX = -100
-"""Targets with this value count for nothing, as in ``F.cross_entropy``."""
+from meshyard.models.linear_cross_entropy import IGNORE_INDEX
+
 
 CHUNK_ELEMENTS = 1 << 25
 """Logit values per block: 128 MB in fp32, whatever the vocabulary."""
@@ -53,10 +53,17 @@ def split_sequence_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist
     ``ranks`` because everything downstream averages over ranks: the loss the trainer
     logs (the mean of the ranks' losses) and the gradients DDP or FSDP reduce over the
     context-parallel ranks. The only communication is one all-reduce of the count."""
+    return split_sequence_mean(next_token_loss(logits, targets), targets, group, ranks)
+
+
+def split_sequence_mean(local_mean: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup,
+                        ranks: int) -> torch.Tensor:
+    """``split_sequence_loss`` of a rank's mean loss over its counted ``targets`` (however it
+    was computed: from logits, or fused with the head)."""
     counted = (targets != IGNORE_INDEX).sum()
     total = counted.detach().clone()
     dist.all_reduce(total, group=group)
-    local_sum = torch.where(counted > 0, next_token_loss(logits, targets) * counted, 0.0)
+    local_sum = torch.where(counted > 0, local_mean * counted, 0.0)
     return local_sum * ranks / total
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
+from meshyard.config.load import ConfigError
 from meshyard.fault.failure import first_line
 from meshyard.metrics.timing import NullStepTimer, StepTimer
 from meshyard.models.local_part import local_part
@@ -24,7 +25,7 @@ from meshyard.parallel.compile import Compilation, compile_errors, compiled_grap
 from meshyard.parallel.context_parallel import SequenceSplit
 from meshyard.parallel.data_parallel import set_gradient_sync, unwrap
 from meshyard.train.expert_load import ExpertLoad, StepLoad
-from meshyard.train.loss import next_token_loss, split_sequence_loss
+from meshyard.train.loss import next_token_loss, split_sequence_mean
 from meshyard.train.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -91,8 +92,15 @@ class MicroBatchStep:
     def __init__(self, model: nn.Module, precision: Precision, device: torch.device,
                  timer: StepTimer | NullStepTimer | None = None, loss_parallel: bool = False,
                  compilation: Compilation | None = None, compile_whole: bool = False,
-                 report: Callable[[str], None] | None = None, sequence: SequenceSplit | None = None) -> None:
+                 report: Callable[[str], None] | None = None, sequence: SequenceSplit | None = None,
+                 fused_loss: bool = False) -> None:
         self.model = model
+        # train.fused_linear_loss: the model's forward takes the targets and returns the loss.
+        if fused_loss and not getattr(unwrap(model), "fuses_head_loss", False):
+            raise ConfigError([f"train.fused_linear_loss = true needs a model whose forward computes the loss from "
+                               f"its hidden states (meshyard's GPT); {type(unwrap(model)).__name__} returns logits "
+                               "only: set train.fused_linear_loss = false"])
+        self.fused_loss = fused_loss
         self.precision = precision
         self.device = device
         self.timer = timer or NullStepTimer()
@@ -116,9 +124,16 @@ class MicroBatchStep:
     def _eager_forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         split = self.sequence
         if split is None:
-            return next_token_loss(logits_of(self.model(inputs)), targets)
+            return self._mean_loss(inputs, targets)
         inputs, targets = split.local(inputs), split.local(targets)
-        return split_sequence_loss(logits_of(self.model(inputs)), targets, split.ring.group, split.size)
+        return split_sequence_mean(self._mean_loss(inputs, targets), targets, split.ring.group, split.size)
+
+    def _mean_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of this rank's tokens: from the model's logits, or by the model itself
+        from its hidden states (``train.fused_linear_loss``)."""
+        if self.fused_loss:
+            return self.model(inputs, targets=targets)
+        return next_token_loss(logits_of(self.model(inputs)), targets)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         if self._compile_checked:

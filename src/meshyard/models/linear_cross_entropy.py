@@ -1,0 +1,113 @@
+"""The output projection and the next-token cross-entropy in one pass, block by block of
+tokens, so that the (tokens x vocabulary) logits never exist whole.
+
+A language model's logits are the largest tensor of its step (GPT-2 124M at 16 x 1024
+tokens: 1.6 GB in bf16, plus a gradient of the same size in the backward), and with a
+larger vocabulary (128k for Llama 3) they outgrow everything else. ``LinearCrossEntropy``
+computes, for a block of rows at a time, the block's logits, its log-sum-exp and loss,
+and at once the loss's gradients with respect to the hidden states and the output weight
+(the softmax less the one-hot target, through the two matmuls the backward would run);
+the block's logits are then dropped. What the forward keeps for the backward is those two
+gradients in fp32, (tokens x width) and (vocabulary x width); the backward only scales
+them by the incoming gradient (a GradScaler's scale included). The arithmetic is the
+unfused loss's: the matmuls in the compute dtype (autocast's, or the inputs'), the
+softmax in fp32, the weight's gradient summed over blocks in fp32.
+
+The same three matmuls run as without fusion, in blocks; the loss's reads and writes of
+the whole logits and their gradient do not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+"""Targets with this value count for nothing, as in ``F.cross_entropy``."""
+
+BLOCK_ELEMENTS = 1 << 25
+"""Logit values per block: 64 MB in bf16, 128 MB in fp32, whatever the vocabulary."""
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         rows_per_block: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``hidden @ weight.T`` (hidden: (rows, width), weight:
+    (vocabulary, width)) against ``targets`` (rows,), over the rows whose target is not
+    ``IGNORE_INDEX`` (NaN when there is none, as PyTorch's), without the logits ever existing
+    whole. The result is fp32; gradients reach ``hidden`` and ``weight`` in their dtypes."""
+    rows = rows_per_block or max(1, BLOCK_ELEMENTS // weight.shape[0])
+    compute = _compute_dtype(hidden)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return LinearCrossEntropy.apply(hidden, weight, targets, rows, compute)
+    with torch.autocast(hidden.device.type, enabled=False):
+        counted, safe_targets, count = _counted(targets)
+        weight_c = weight.to(compute)
+        losses = [_block(hidden[rows_of].to(compute), weight_c, safe_targets[rows_of], counted[rows_of])[0]
+                  for rows_of in _blocks(hidden.shape[0], rows)]
+        return torch.cat(losses).sum() / count
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The loss of ``linear_cross_entropy`` with its gradients computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+                compute: torch.dtype) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
+            counted, safe_targets, count = _counted(targets)
+            weight_c = weight.to(compute)
+            losses, grad_hidden = [], []
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for rows_of in _blocks(hidden.shape[0], rows):
+                hidden_block = hidden[rows_of].to(compute)
+                loss, grad_logits = _block(hidden_block, weight_c, safe_targets[rows_of], counted[rows_of],
+                                           with_grad=True)
+                losses.append(loss)
+                grad_hidden.append((grad_logits @ weight_c).float())
+                grad_weight += (grad_logits.t() @ hidden_block).float()
+            # The mean's 1 / count is applied in fp32, after the matmuls: folded into their
+            # fp16 inputs it would flush most softmax gradients to zero (a GradScaler scales
+            # only what reaches the backward). No 0 / 0 when no row counts.
+            per_row = 1.0 / count.clamp(min=1)
+            ctx.save_for_backward(torch.cat(grad_hidden) * per_row, grad_weight * per_row)
+            ctx.dtypes = hidden.dtype, weight.dtype
+            return torch.cat(losses).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        scale = grad_loss.float()
+        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None, None
+
+
+def _block(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor,
+           with_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block's per-row losses (fp32, 0 on ignored rows) and, ``with_grad``, the gradient
+    of their sum with respect to the block's logits (softmax less one-hot, 0 on ignored rows),
+    in the compute dtype."""
+    logits = (hidden @ weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    losses = (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)) * counted
+    if not with_grad:
+        return losses, None
+    grad = torch.exp(logits - lse.unsqueeze(1))
+    grad = grad.scatter_add(1, targets.unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
+    return losses, (grad * counted.unsqueeze(1)).to(hidden.dtype)
+
+
+def _counted(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows that count, targets with ignored rows pointing at 0, how many count as fp32): a
+    tensor count, so that nothing waits for the device."""
+    counted = targets != IGNORE_INDEX
+    return counted, torch.where(counted, targets, torch.zeros_like(targets)), counted.sum().float()
+
+
+def _blocks(rows: int, per_block: int) -> list[slice]:
+    return [slice(start, start + per_block) for start in range(0, rows, per_block)]
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's where it is on (as the unfused head's would be), else
+    the hidden states'."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
