@@ -67,3 +67,15 @@ def test_problems_of_several_sections_are_listed_together():
                      "data.seq_len = 33 is not divisible by parallel.tp = 2",
                      "model.context_length = 16 is shorter than data.seq_len = 33"):
         assert fragment in text
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["--model.name=mlp"], "model.name = 'mlp' returns logits only"),
+    (["--parallel.tp=2"], "does not combine with parallel.tp = 2"),
+    (["--parallel.pp=2"], "does not combine with parallel.pp = 2"),
+])
+def test_the_fused_head_loss_needs_a_gpt_and_a_whole_head(overrides, fragment):
+    [problem] = field_problems(load_config(None, ["--train.fused_linear_loss=true", *overrides]))
+    assert problem.startswith("train.fused_linear_loss = true") and fragment in problem
+    assert problem.endswith("false") or "set train.fused_linear_loss = false" in problem
+    assert field_problems(load_config(None, ["--train.fused_linear_loss=false", *overrides])) == []

@@ -30,6 +30,7 @@ SHAPE = GPTShape(vocab_size=32, context_length=8, n_layer=3, n_head=2, d_model=1
 STEPS = 5
 LAYOUTS = {
     "one process": (1, ["--parallel.strategy=none"]),
+    "one process, fused loss": (1, ["--parallel.strategy=none", "--train.fused_linear_loss=true"]),
     "fsdp": (2, ["--parallel.strategy=fsdp"]),
     "pp2": (2, ["--parallel.strategy=none", "--parallel.pp=2", "--parallel.pp_schedule=1f1b"]),
 }
@@ -142,7 +143,7 @@ def _compiled_run(layout: str, folder: Path, request: pytest.FixtureRequest) -> 
 def test_compiled_losses_equal_eager_ones_without_recompiling(tmp_path, request, eager, layout):
     graphs, losses, what = _compiled_run(layout, tmp_path, request)
     assert losses == pytest.approx(eager, rel=1e-5)
-    assert what == ("the model and its loss" if layout == "one process" else
+    assert what == ("the model and its loss" if layout.startswith("one process") else
                     "Block x2" if layout == "fsdp" else "Block")  # each stage its blocks
     assert graphs[0] >= 1 and len(set(graphs[1:])) == 1, graphs  # compiled in step 1 (and 2), never again
 

@@ -45,6 +45,8 @@ TWO_RANKS = {
     "fsdp-zero2": ["--parallel.strategy=fsdp", "--parallel.reshard_after_forward=false"],
     "zero1": ["--parallel.strategy=zero1"],
     "ddp-accumulation": ["--parallel.strategy=ddp", "--train.micro_batch=2"],
+    # The head and the loss fused (train.fused_linear_loss): the root's gathered head weight.
+    "fsdp-zero3-fused-loss": ["--parallel.strategy=fsdp", "--train.fused_linear_loss=true"],
 }
 
 
@@ -123,4 +125,11 @@ def test_hsdp_on_four_ranks_matches_single_process(request, baseline):
 
 def test_accumulation_equals_larger_batch(tmp_path, baseline):
     cfg = _config(tmp_path, "--parallel.strategy=none", "--train.grad_accum=4")
+    assert_close(losses_of(fit_here(cfg)), baseline)
+
+
+def test_the_fused_head_and_loss_train_as_the_logits_do(tmp_path, baseline):
+    """train.fused_linear_loss under accumulation: each micro-batch's mean, its gradients
+    computed in the forward and scaled in the backward."""
+    cfg = _config(tmp_path, "--parallel.strategy=none", "--train.grad_accum=2", "--train.fused_linear_loss=true")
     assert_close(losses_of(fit_here(cfg)), baseline)

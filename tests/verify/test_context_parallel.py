@@ -34,6 +34,8 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "cp2-tp2": (4, ["--parallel.strategy=fsdp", "--parallel.cp=2", "--parallel.tp=2"]),
     # 'ddp': DDP over the cp ranks; with tp, FSDP2 replication over them (DDP takes no DTensors).
     "cp2-ddp": (2, ["--parallel.strategy=ddp", "--parallel.cp=2"]),
+    # The head and the loss fused: each rank's mean from its hidden states, summed over the ring.
+    "cp2-fused-loss": (2, ["--parallel.strategy=fsdp", "--parallel.cp=2", "--train.fused_linear_loss=true"]),
     "cp2-tp2-ddp": (4, ["--parallel.strategy=ddp", "--parallel.cp=2", "--parallel.tp=2"]),
 }
 

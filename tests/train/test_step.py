@@ -1,0 +1,60 @@
+"""The step runner of layouts without pipelining: the fused head loss through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshyard.config.load import ConfigError
+from meshyard.models.gpt import GPT, GPTShape
+from meshyard.train.precision import build_precision
+from meshyard.train.step import MicroBatchStep
+from tests.models.user_models import nanogpt
+
+CPU = torch.device("cpu")
+SHAPE = GPTShape(vocab_size=53, context_length=12, n_layer=2, n_head=2, d_model=16)
+
+
+def _runner(fused: bool, dtype: torch.dtype = torch.float32) -> MicroBatchStep:
+    torch.manual_seed(0)
+    return MicroBatchStep(GPT(SHAPE), build_precision(dtype, CPU, False, False), CPU, fused_loss=fused)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(0, SHAPE.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
+    return [(tokens[:2, :-1], tokens[:2, 1:]), (tokens[2:, :-1], tokens[2:, 1:])]  # accumulated
+
+
+def test_the_fused_loss_gives_the_losses_and_gradients_of_the_logits():
+    plain, fused = _runner(False), _runner(True)
+    torch.testing.assert_close(fused.forward_backward(_batches()), plain.forward_backward(_batches()),
+                               rtol=1e-6, atol=0)
+    for (name, param), plain_param in zip(fused.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(param.grad, plain_param.grad, rtol=1e-4, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.eval_loss(*_batches()[0]), plain.eval_loss(*_batches()[0]),
+                                   rtol=1e-6, atol=0)
+
+
+def test_under_bf16_autocast_the_fused_loss_is_as_accurate_as_the_logits():
+    """Against fp32 gradients, bf16's rounding: no larger fused than through the logits."""
+    reference, plain, fused = _runner(False), _runner(False, torch.bfloat16), _runner(True, torch.bfloat16)
+    losses = [runner.forward_backward(_batches()) for runner in (reference, plain, fused)]
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-3, atol=0)
+    for name, exact in reference.model.named_parameters():
+        plain_error, fused_error = (_relative_error(dict(runner.model.named_parameters())[name].grad, exact.grad)
+                                    for runner in (plain, fused))
+        assert 0 < fused_error <= 1.5 * plain_error + 1e-4, (name, fused_error, plain_error)
+
+
+def _relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((value.double() - exact.double()).norm() / exact.double().norm())
+
+
+def test_a_model_that_returns_only_logits_is_refused_in_one_paragraph():
+    with pytest.raises(ConfigError) as caught:
+        MicroBatchStep(nanogpt(vocab_size=53, context_length=12), build_precision(torch.float32, CPU, False, False), CPU,
+                       fused_loss=True)
+    [problem] = caught.value.problems
+    assert problem.startswith("train.fused_linear_loss = true needs a model whose forward computes the loss")
+    assert "NanoGPT returns logits only: set train.fused_linear_loss = false" in problem
