@@ -19,12 +19,15 @@ only with --out. On a CPU shared with other work, --threads 1 gives steadier fig
 With --fsdp a third contender runs each round: the same meshyard job under
 ``parallel.strategy = "fsdp"`` on the one device, so what sharding costs where there is
 nothing to shard is measured beside ``none`` (target: within 3%). With --tuned another
-runs ``none`` with ``train.compile_tuning = true``: what tuning the compiled kernels gains.
+runs ``none`` with ``train.compile_tuning = true``: what tuning the compiled kernels gains;
+with --fused-loss another with ``train.fused_linear_loss = true``: what fusing the head and
+the loss gains in tokens/s and in peak memory (on CPU the process's peak resident size).
 With --profile each meshyard contender also records two of its warmup steps with
 torch.profiler (``metrics.profile_steps``) and the script prints their operator and kernel
 tables (device time first on CUDA) after the figures: where the trainer's step goes.
 
-    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp] [--tuned] [--profile]
+    python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp] [--tuned]
+        [--fused-loss] [--profile]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
 """
 
@@ -36,6 +39,7 @@ import datetime
 import gc
 import json
 import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -149,8 +153,12 @@ def start_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+def peak_memory(device: torch.device) -> int:
+    """The contender's peak: CUDA memory allocated, or on CPU the process's peak resident
+    size (each contender is a fresh process, so the figures compare)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def plain_run(args: argparse.Namespace, device: torch.device, reference_params: int) -> Outcome:
@@ -237,6 +245,7 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, 
 CONTENDERS: dict[str, tuple[str | None, list[str]]] = {
     "plain": (None, []), "meshyard": ("none", []), "fsdp": ("fsdp", []),
     "tuned": ("none", ["--train.compile_tuning=true"]),
+    "fused": ("none", ["--train.fused_linear_loss=true"]),
 }
 
 
@@ -258,6 +267,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--fsdp", action="store_true", help="also time meshyard under strategy fsdp")
     parser.add_argument("--tuned", action="store_true",
                         help="also time meshyard with train.compile_tuning = true (what kernel tuning gains)")
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="also time meshyard with train.fused_linear_loss = true (the head and the loss fused)")
     parser.add_argument("--profile", action="store_true",
                         help="print each meshyard contender's torch.profiler table of two warmup steps (round 1)")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
@@ -314,7 +325,7 @@ def main() -> None:
         print(OUTCOME_PREFIX + json.dumps(asdict(outcome)), flush=True)
         return
 
-    names = ["plain", "meshyard"] + ["fsdp"] * args.fsdp + ["tuned"] * args.tuned
+    names = ["plain", "meshyard"] + ["fsdp"] * args.fsdp + ["tuned"] * args.tuned + ["fused"] * args.fused_loss
     runs: dict[str, list[Outcome]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
@@ -357,6 +368,11 @@ def main() -> None:
     tuned_vs_untuned = median_ratio("tuned", "meshyard") if args.tuned else None
     if tuned_vs_untuned is not None:
         print(f"ratio compile_tuning true / false tokens/s (median of rounds): {tuned_vs_untuned:.4f}")
+    fused_vs_logits = median_ratio("fused", "meshyard") if args.fused_loss else None
+    if fused_vs_logits is not None:
+        memory_ratio = summary["fused"]["peak_memory_bytes"] / summary["meshyard"]["peak_memory_bytes"]
+        print(f"ratio fused_linear_loss true / false: tokens/s {fused_vs_logits:.4f} (median of rounds), peak memory "
+              f"{memory_ratio:.3f}")
     mfu = summary["meshyard"]["mfu"]
     if cuda:
         met = ratio >= 1.0 and mfu is not None and mfu >= 0.40
@@ -376,7 +392,7 @@ def main() -> None:
                        "dtype": str(dtype).removeprefix("torch."), "compile": args.compile, "steps": args.steps,
                        "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None},
             "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
-            "fsdp_vs_none": fsdp_vs_none, "tuned_vs_untuned": tuned_vs_untuned,
+            "fsdp_vs_none": fsdp_vs_none, "tuned_vs_untuned": tuned_vs_untuned, "fused_vs_logits": fused_vs_logits,
             "contenders": summary,
         }, indent=2) + "\n")
         print(f"wrote {out}")
