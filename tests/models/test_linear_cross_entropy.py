@@ -3,6 +3,8 @@ head's logits through PyTorch's cross-entropy, without the logits kept whole."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,3 +125,13 @@ def test_gpt_given_targets_returns_the_loss_of_its_logits_with_the_same_gradient
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_blocks_hold_a_bounded_count_of_logits_but_enough_rows_on_a_gpu():
+    from meshyard.models.linear_cross_entropy import BLOCK_ELEMENTS, GPU_MIN_BLOCK_ROWS, _rows_per_block
+
+    on = {kind: SimpleNamespace(device=torch.device(kind)) for kind in ("cpu", "cuda")}  # only the device is read
+    assert _rows_per_block(on["cpu"], 50304) == BLOCK_ELEMENTS // 50304 == 667
+    assert _rows_per_block(on["cpu"], 1 << 30) == 1
+    assert _rows_per_block(on["cuda"], 50304) == GPU_MIN_BLOCK_ROWS == 4096
+    assert _rows_per_block(on["cuda"], 1000) == BLOCK_ELEMENTS // 1000  # a small vocabulary: more rows

@@ -25,7 +25,15 @@ IGNORE_INDEX = -100
 """Targets with this value count for nothing, as in ``F.cross_entropy``."""
 
 BLOCK_ELEMENTS = 1 << 25
-"""Logit values per block: 64 MB in bf16, 128 MB in fp32, whatever the vocabulary."""
+"""Logit values per block: 64 MB in bf16, 128 MB in fp32, whatever the vocabulary..."""
+
+GPU_MIN_BLOCK_ROWS = 4096
+"""...but on a GPU no fewer rows than this per block. The weight's gradient is summed over
+the blocks, each adding a (vocabulary x width) product into the fp32 total: about 10 bytes
+moved per weight element against 6 x rows FLOPs of the block's three matmuls, so with too
+few rows the sums cost a large share of the matmuls' time (an H100 does ~300 bf16 FLOPs per
+byte of memory traffic; 4096 rows keep the sums near a tenth). On a CPU the memory is the
+scarcer resource, and an fp32 sum happens inside the matmul."""
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -34,7 +42,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     (vocabulary, width)) against ``targets`` (rows,), over the rows whose target is not
     ``IGNORE_INDEX`` (NaN when there is none, as PyTorch's), without the logits ever existing
     whole. The result is fp32; gradients reach ``hidden`` and ``weight`` in their dtypes."""
-    rows = rows_per_block or max(1, BLOCK_ELEMENTS // weight.shape[0])
+    rows = rows_per_block or _rows_per_block(hidden, weight.shape[0])
     compute = _compute_dtype(hidden)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(hidden, weight, targets, rows, compute)
@@ -63,7 +71,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                                            with_grad=True)
                 losses.append(loss)
                 grad_hidden.append((grad_logits @ weight_c).float())
-                grad_weight += (grad_logits.t() @ hidden_block).float()
+                _accumulate(grad_weight, grad_logits.t(), hidden_block)
             # The mean's 1 / count is applied in fp32, after the matmuls: folded into their
             # fp16 inputs it would flush most softmax gradients to zero (a GradScaler scales
             # only what reaches the backward). No 0 / 0 when no row counts.
@@ -95,11 +103,25 @@ def _block(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, co
     return losses, (grad * counted.unsqueeze(1)).to(hidden.dtype)
 
 
+def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``total += left @ right`` into fp32 ``total``: in the matmul itself when it runs in
+    fp32, else by one mixed-dtype add (no fp32 copy of the product first)."""
+    if left.dtype == total.dtype:
+        total.addmm_(left, right)
+    else:
+        total.add_(left @ right)
+
+
 def _counted(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows that count, targets with ignored rows pointing at 0, how many count as fp32): a
     tensor count, so that nothing waits for the device."""
     counted = targets != IGNORE_INDEX
     return counted, torch.where(counted, targets, torch.zeros_like(targets)), counted.sum().float()
+
+
+def _rows_per_block(hidden: torch.Tensor, vocabulary: int) -> int:
+    """``BLOCK_ELEMENTS`` logits per block, with at least ``GPU_MIN_BLOCK_ROWS`` rows on a GPU."""
+    return max(BLOCK_ELEMENTS // vocabulary, GPU_MIN_BLOCK_ROWS if hidden.device.type == "cuda" else 1)
 
 
 def _blocks(rows: int, per_block: int) -> list[slice]:
