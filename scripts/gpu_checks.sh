@@ -2,12 +2,13 @@
 # Everything that needs a GPU, on a machine with one (CUDA torch already installed there),
 # in two parts that each fit one command of at most 10 minutes:
 #   bash scripts/gpu_checks.sh first    # the gpu tests, the async checkpoint, the schedulers (~7 min)
-#   bash scripts/gpu_checks.sh second   # the training step against a compiled plain loop, one decoding step (~6 min)
+#   bash scripts/gpu_checks.sh second   # the training step against a compiled plain loop, the fused head loss,
+#                                       # one decoding step (~7 min)
 #   bash scripts/gpu_checks.sh all 570  # both, in that order, within 570 s: each check's time limit is cut
 #                                       # to what is left, and a check with under 40 s left is skipped
 # Figures go to stdout and to $OUT (default /tmp/gpu-checks): one text file per check,
-# JSON figures, and decode_step's profile (operator tables in decode_step.txt, Chrome
-# traces packed into one archive): 8 files, as many as a device run brings back.
+# JSON figures (fused_loss's at the end of gpu_step.txt), and decode_step's profile (operator
+# tables in decode_step.txt, Chrome traces packed into one archive): 8 files, as many as a device run brings back.
 # Packages such machines tend to lack (tomli-w; starlette, uvicorn, httptools and their few
 # dependencies for the server tests): put their wheels in wheels/ (httptools' for the
 # device's Python: `pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -61,6 +62,13 @@ second() {
     timeout -k 5 "$t" python3 benchmarks/gpu_step.py --rounds 1 --fsdp --tuned --profile --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
     # The figures (the profile tables follow them in the file), or how the run ended without them.
     if grep -q "^round" "$out/gpu_step.txt"; then sed -n '/^round/,/^wrote/p' "$out/gpu_step.txt"; else tail -15 "$out/gpu_step.txt"; fi
+    echo "== benchmarks/fused_loss.py (GPT-2's head and loss, 16 x 1024 tokens, bf16, compiled: train.fused_linear_loss)"
+    t=$(limit 100); (( t )) || { skipped; return; }
+    # Into gpu_step.txt, after its figures and tables: a device run brings back 8 files at most.
+    echo "== benchmarks/fused_loss.py --compile" >> "$out/gpu_step.txt"
+    timeout -k 5 "$t" python3 benchmarks/fused_loss.py --compile > "$out/fused.tmp" 2>&1
+    tail -5 "$out/fused.tmp"
+    cat "$out/fused.tmp" >> "$out/gpu_step.txt" && rm -f "$out/fused.tmp"
     echo "== benchmarks/decode_step.py (gpt2-124m, bf16, 128-token prompts; target: 16 rows <= 5 ms)"
     t=$(limit 90); (( t )) || { skipped; return; }
     mkdir -p "$out/decode"

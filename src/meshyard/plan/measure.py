@@ -85,7 +85,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
     """(time, bytes allocated (negative: freed), live bytes after) of every CPU allocator
     event the profiler saw, in time order.
 
@@ -150,7 +150,7 @@ def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         del marker
-    events = _allocator_events(prof)
+    events = allocator_events(prof)
     _, marker_bytes, after_marker = events[0]
     baseline = after_marker - marker_bytes
     peak = max(total for _, _, total in events) - baseline
