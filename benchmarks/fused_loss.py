@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from meshyard.models.linear_cross_entropy import linear_cross_entropy
-from meshyard.plan.measure import allocator_events
+from meshyard.plan.measure import measure_call_peak
 from meshyard.train.loss import next_token_loss
 
 
@@ -67,13 +67,7 @@ def peak_bytes(loss_fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor,
         torch.cuda.reset_peak_memory_stats(device)
         step(loss_fn, inputs, device)
         return torch.cuda.max_memory_allocated(device) - before
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        marker = torch.empty(1)  # its event gives the live total before the step
-        step(loss_fn, inputs, device)
-        del marker
-    events = allocator_events(prof)
-    _, marker_bytes, after_marker = events[0]
-    return max(total for _, _, total in events) - (after_marker - marker_bytes)
+    return measure_call_peak(lambda: step(loss_fn, inputs, device))
 
 
 def main() -> None:

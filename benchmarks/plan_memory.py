@@ -33,6 +33,9 @@ def probes() -> list[MemoryProbe]:
         for strategy in ("ddp", "zero1", "fsdp", "fsdp-zero2", "tp"):
             out.append(MemoryProbe(preset, strategy, 2, micro_batch))
         out.append(MemoryProbe(preset, "fsdp", 2, micro_batch, checkpoint=True))
+    # A vocabulary large enough for the loss to dominate, with the plain and the fused loss.
+    out.append(MemoryProbe("gpt-tiny", "none", 1, 8, vocab_size=4096))
+    out.append(MemoryProbe("gpt-tiny", "none", 1, 8, vocab_size=4096, fused_loss=True))
     return out
 
 

@@ -49,6 +49,21 @@ def test_config_file_supplies_defaults(tmp_path, capsys):
     assert "gpt-mini" in out and "vocab=256" in out and "Global batch 64 x 256 tokens" in out
 
 
+def test_a_config_with_the_fused_loss_is_planned_with_it(tmp_path, capsys):
+    """train.fused_linear_loss = true makes --fused-loss default to on: every layout runs it
+    (tensor and pipeline parallel ones cannot), and the settings printed keep it."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[model]\nname = "gpt-mini"\n[data]\nseq_len = 256\n[train]\nglobal_batch = 64\n'
+                   'fused_linear_loss = true\n')
+    assert _run("--config", str(cfg), "--gpus", "2", "--explain", "1") == 0
+    out = capsys.readouterr().out
+    assert "none +fused loss" in out and "fused: max(G + " in out
+    assert "the fused loss does not combine with tp=2" in out
+    assert "--train.fused_linear_loss=true" in out.split("Run #1 with:")[1]
+    assert _run("--config", str(cfg), "--gpus", "2", "--explain", "0", "--fused-loss", "off") == 0
+    assert "fused" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, planned", [
     (["--strategy", "fsdp"], ("fsdp3",)),
     (["--strategy", "fsdp", "--reshard-after-forward", "true"], ("fsdp3",)),
@@ -110,6 +125,8 @@ def test_list_hardware(capsys):
     (["--inter-bw", "fast"], "--inter-bw: 'fast' is not a size"),
     (["--config", "/nonexistent/run.toml"], "config file '/nonexistent/run.toml' does not exist"),
     (["--model", "nowhere.module:build"], "cannot describe model 'nowhere.module:build'"),
+    (["--model", "mlp", "--fused-loss", "on"], "--fused-loss on (or train.fused_linear_loss = true in --config) "
+                                               "needs meshyard's GPT"),
 ])
 def test_bad_input_is_one_message_and_exit_code_2(argv, expected, capsys):
     assert _run(*argv) == 2

@@ -51,3 +51,23 @@ def test_a_planned_layout_reads_and_runs_as_the_config_names_it(strategy, world_
     assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp) == (layout.dp, layout.tp, layout.pp)
     assert checked.batch.micro_batch == layout.micro_batch and checked.batch.grad_accum == layout.grad_accum
 
+
+
+def test_a_fused_loss_layout_runs_with_it_and_its_config_plans_back_with_it(tmp_path):
+    """``fused_loss`` is ``train.fused_linear_loss``: in the settings ``plan`` prints, and
+    from a config back to the planner's layout (``meshyard place``)."""
+    from meshyard.config.load import load_config
+    from meshyard.plan.layout import make_layout
+    from meshyard.plan.place_cost import plan_inputs
+    from meshyard.validate import validate
+
+    fused = make_layout("fsdp3", 2, micro_batch=2, seq_len=32, fused_loss=True)
+    assert "--train.fused_linear_loss=true" in fused.config_overrides()
+    planned = []
+    for layout in (fused, fused.with_(fused_loss=False)):
+        cfg = load_config(None, ["--model.name=gpt-tiny", "--data.source=random", f"--run.run_dir={tmp_path}",
+                                 *layout.config_overrides()])
+        assert cfg.train.fused_linear_loss == layout.fused_loss
+        planned.append(plan_inputs(cfg, validate(cfg, 2))[1])
+    assert [p.fused_loss for p in planned] == [True, False]
+    assert (planned[0].strategy, planned[0].dp_shard, planned[0].micro_batch) == ("fsdp3", 2, 2)

@@ -6,15 +6,18 @@ parallelised by meshyard's own code, on gloo CPU processes with one thread each,
 under ``torch.profiler`` with ``profile_memory=True``. The peak is the highest running
 total of live bytes that c10's CPU allocator reports, minus its total before the
 model was built; the largest rank's peak is compared. The estimate is
-``estimate_memory`` for the same layout in fp32 with the CPU's single-tensor AdamW.
+``estimate_memory`` for the same layout in fp32 with the CPU's single-tensor AdamW. The
+fused loss's forward is also measured alone, in blocks small enough to have several.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from meshyard.plan.measure import MemoryProbe, measure_peak_memory
-from meshyard.plan.memory import estimate_memory
+from meshyard.models.linear_cross_entropy import linear_cross_entropy
+from meshyard.plan.measure import MemoryProbe, measure_call_peak, measure_peak_memory
+from meshyard.plan.memory import estimate_memory, fused_loss_bytes
 from meshyard.plan.model import describe_gpt
 
 TOLERANCE = 0.15
@@ -24,6 +27,8 @@ PROBES = [
     MemoryProbe("gpt-small", "ddp", world_size=2, micro_batch=4),
     MemoryProbe("gpt-small", "fsdp", world_size=2, micro_batch=4),
     MemoryProbe("gpt-small", "tp", world_size=2, micro_batch=4),
+    # The loss dominates: 1024 tokens x 4096 logits, one block of the fused loss.
+    MemoryProbe("gpt-tiny", "none", world_size=1, micro_batch=8, vocab_size=4096, fused_loss=True),
 ]
 
 
@@ -39,3 +44,30 @@ def test_estimate_within_15_percent_of_measured_peak(probe, measured):
     actual = measured[probe.label()]
     assert abs(estimate.peak_bytes - actual) <= TOLERANCE * actual, (
         f"{probe.label()}: estimated {estimate.peak_bytes / 1e6:.2f} MB, measured {actual / 1e6:.2f} MB")
+
+
+@pytest.mark.parametrize("dtype, d_model, rows", [
+    (torch.float32, 64, 2048),  # one block
+    (torch.float32, 64, 256),  # several blocks, the blocks' moment peaks
+    (torch.float32, 512, 64),  # several blocks, the fp32 gradients' scaled copies peak
+    (torch.bfloat16, 64, 256),  # under autocast: bf16 matmuls and a bf16 cast of the head
+])
+def test_fused_loss_bytes_match_the_measured_peak_of_the_loss(dtype, d_model, rows):
+    """The fused loss's forward on CPU, measured as the probes are, against the estimate
+    the planner's "loss" line is made of (blocks of ``rows`` instead of 2^25 logits)."""
+    tokens, vocab = 2048, 4096
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, d_model, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, d_model, generator=generator, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            return linear_cross_entropy(hidden, weight, targets, rows_per_block=rows)
+
+    compute = torch.finfo(dtype).bits // 8
+    cast = vocab * d_model * compute if compute < 4 else 0
+    estimate = fused_loss_bytes(tokens, vocab, d_model, compute, rows) + cast
+    measured = measure_call_peak(forward)
+    assert abs(estimate - measured) <= 0.03 * measured, (
+        f"estimated {estimate / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB")

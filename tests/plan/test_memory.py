@@ -1,4 +1,4 @@
-"""Memory formulas: ZeRO closed forms, tensor/pipeline splits, checkpointing, offload."""
+"""Memory formulas: ZeRO closed forms, tensor/pipeline splits, checkpointing, offload, the fused loss."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 
 from meshyard.models.gpt import GPTShape
 from meshyard.plan.layout import PRECISIONS, make_layout
-from meshyard.plan.memory import activation_bytes_per_layer, estimate_memory, gathered_items, model_state_items
+from meshyard.plan.memory import (
+    activation_bytes_per_layer, estimate_memory, fused_loss_bytes, gathered_items, model_state_items,
+)
 from meshyard.plan.model import describe_gpt
 from meshyard.plan.stage import StageShape, block_params_per_rank, in_flight_micro_batches, stage_shapes
 
@@ -140,6 +142,46 @@ def test_offload_moves_sharded_states_to_the_host():
     assert offloaded.peak_bytes < on_device.peak_bytes
 
 
+GPT2_PADDED = describe_gpt(GPTShape(vocab_size=50304, context_length=1024, n_layer=12, n_head=12, d_model=768))
+
+
+def test_fused_loss_holds_blocks_and_fp32_gradients_not_whole_logits():
+    """GPT-2 124M at 16 x 1024 tokens, vocabulary 50304, bf16 on one GPU (fp32 parameters
+    under autocast). Plain: 3 x t x V x 4 B = 9.89 GB. Fused: blocks of 2^25 // 50304 = 667
+    rows; per logit 3 x 4 fp32 + 2 (this block's bf16 gradient) + 2 (the last block's);
+    G = (t + V) x d x 4 fp32 gradients; peak max(G + 16 b, 2G + 2 b), plus the head's bf16
+    cast V x d x 2, which the loss makes (autocast no longer saves one for backward)."""
+    t, vocab, d = 16 * 1024, 50304, 768
+    layout = make_layout("none", 1, micro_batch=16, seq_len=1024, precision=PRECISIONS["bf16"])
+    plain, fused = (estimate_memory(GPT2_PADDED, layout.with_(fused_loss=f)) for f in (False, True))
+    assert plain.item("loss") == 3 * t * vocab * 4 == 9_890_168_832
+    block, grads = 667 * vocab, (t + vocab) * d * 4
+    assert (block, grads) == (33_552_768, 204_865_536)
+    assert grads + 16 * block > 2 * grads + 2 * block  # the blocks' moment is the peak here
+    assert fused.item("loss") == vocab * d * 2 + grads + 16 * block == 818_976_768
+    assert plain.item("gathered parameters") - fused.item("gathered parameters") == vocab * d * 2
+    assert plain.peak_bytes - fused.peak_bytes == pytest.approx(9_890_168_832 - 741_709_824)
+
+
+def test_fused_loss_under_fsdp_has_no_cast_of_its_own():
+    """FSDP2's mixed-precision policy gathers the head in bf16: the loss casts nothing."""
+    layout = make_layout("fsdp3", 8, micro_batch=16, seq_len=1024, precision=PRECISIONS["bf16"], fused_loss=True)
+    memory = estimate_memory(GPT2_PADDED, layout)
+    assert memory.item("loss") == 741_709_824  # G + 16 b, as above
+    plain = estimate_memory(GPT2_PADDED, layout.with_(fused_loss=False))
+    assert memory.item("gathered parameters") == plain.item("gathered parameters")
+
+
+@pytest.mark.parametrize("tokens, vocab, d_model, compute, rows, expected", [
+    (1024, 4096, 64, 4, 4096, (1024 + 4096) * 64 * 4 + 12 * 1024 * 4096),  # one block, fp32: 3 x 4 B a logit
+    (1024, 4096, 64, 2, 1024, (1024 + 4096) * 64 * 4 + 14 * 1024 * 4096),  # one block, bf16: + its bf16 gradient
+    (1024, 4096, 64, 4, 256, (1024 + 4096) * 64 * 4 + 16 * 256 * 4096),  # several: + the last block's gradient
+    (1024, 4096, 512, 2, 64, 2 * (1024 + 4096) * 512 * 4 + 2 * 64 * 4096),  # G large: its scaled copies peak
+])
+def test_fused_loss_bytes_by_hand(tokens, vocab, d_model, compute, rows, expected):
+    assert fused_loss_bytes(tokens, vocab, d_model, compute, rows) == expected
+
+
 LAYOUTS = [
     make_layout(strategy, 8, tp=tp, pp=pp, micro_batch=mb, grad_accum=accum, seq_len=512, ac=ac,
                 precision=PRECISIONS[prec])
@@ -148,8 +190,12 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l.describe()} mb{l.micro_batch}x{l.grad_accum} {l.ac} "
-                                                          f"{l.precision.name}")
+FUSED_LAYOUTS = [layout.with_(fused_loss=True) for layout in LAYOUTS if layout.tp == layout.pp == 1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + FUSED_LAYOUTS,
+                         ids=lambda l: f"{l.describe()} mb{l.micro_batch}x{l.grad_accum} {l.ac} {l.precision.name}"
+                                       f"{' fused' if l.fused_loss else ''}")
 def test_listed_items_add_up_to_the_peak(layout):
     memory = estimate_memory(GPT2, layout)
     assert sum(item.bytes for item in memory.items) == pytest.approx(memory.peak_bytes)

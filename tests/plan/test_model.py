@@ -63,6 +63,7 @@ def test_activation_profile_matches_autograd_saved_tensors():
     assert traced.n_params == desc.n_params
     assert traced.layer_forward_flops_per_token(128) == desc.layer_forward_flops_per_token(128)
     assert traced.head_forward_flops_per_token() == desc.head_forward_flops_per_token()
+    assert desc.fuses_head_loss and traced.fuses_head_loss  # meshyard's GPT, described or traced
 
 
 def test_real_forward_saves_what_the_closed_form_counts():
@@ -103,7 +104,7 @@ def test_describe_config_traces_other_models():
 
     desc = describe_config(ModelConfig(name="mlp", n_layer=3, d_model=64), vocab_size=256, seq_len=32)
     assert desc.n_params == sum(p.numel() for p in MLP(256, 64, 3).parameters())
-    assert desc.n_layer == 3 and not desc.tp_capable
+    assert desc.n_layer == 3 and not desc.tp_capable and not desc.fuses_head_loss
     assert desc.vocab_size == 256 and desc.d_model == 64
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshyard.models.gpt import GPTShape
 from meshyard.plan.hardware import make_cluster
 from meshyard.plan.layout import PRECISIONS
@@ -74,3 +76,50 @@ def test_the_planner_offers_zero1_only_where_the_trainer_runs_it():
                                                                           strategies=("zero1",)))
     assert result.feasible and all((c.layout.tp, c.layout.pp) == (1, 1) for c in result.feasible)
     assert any("zero1 runs without tensor and pipeline parallelism" in r.reason for r in result.rejected)
+
+
+def test_the_fused_loss_is_offered_only_with_tp_and_pp_1():
+    """--fused-loss on: the families with tp or pp > 1 cannot run it and say so; auto
+    (the default) plans them with the plain loss."""
+    cluster = make_cluster("h100", 8, 8, "ib-ndr-8x")
+    request = _request(global_batch=64, seq_len=1024, strategies=("fsdp3",), tp=(1, 2), pp=(1, 2))
+    on = plan(GPT2, cluster, replace(request, fused_loss=(True,)))
+    assert [(c.layout.tp, c.layout.pp, c.layout.fused_loss) for c in on.feasible] == [(1, 1, True)]
+    reasons = " | ".join(r.reason for r in on.rejected)
+    assert "the fused loss does not combine with tp=2" in reasons and "with pp=2" in reasons
+    auto = plan(GPT2, cluster, request)
+    assert len(auto.feasible) == 4 and not any(c.layout.fused_loss for c in auto.feasible)
+
+
+def test_the_fused_loss_is_offered_only_for_meshyards_gpt():
+    """A model whose forward returns logits (a traced custom module) keeps the plain loss."""
+    logits_only = replace(GPT2, name="custom", fuses_head_loss=False)
+    request = _request(global_batch=8, seq_len=1024, strategies=("none",), tp=(1,), pp=(1,), fused_loss=(True,))
+    result = plan(logits_only, make_cluster("h100", 1, 8, "ib-ndr-8x"), request)
+    assert not result.feasible
+    assert "the fused loss needs meshyard's GPT" in result.rejected[0].reason
+
+
+def _one_gpu(memory: float):
+    return make_cluster("h100", 1, 8, "ib-ndr-8x", memory=memory)
+
+
+def test_the_fused_loss_is_picked_where_it_makes_the_layout_fit():
+    """GPT-2 at 16 x 1024 tokens a micro-batch: the plain loss's 9.9 GB do not fit in 14 GB
+    (12.6 usable), the fused loss's 0.8 GB do; with the plain loss forced, nothing fits."""
+    request = _request(global_batch=16, seq_len=1024, strategies=("none",), tp=(1,), pp=(1,), ac=("none",),
+                       offload=(False,), micro_batches=(16,))
+    result = plan(GPT2, _one_gpu(14e9), request)
+    (only,) = result.feasible
+    assert only.layout.fused_loss and only.memory.item("loss") < 1e9
+    assert "--train.fused_linear_loss=true" in only.layout.config_overrides()
+    plain = plan(GPT2, _one_gpu(14e9), replace(request, fused_loss=(False,)))
+    assert not plain.feasible and "loss 9.88 GB" in plain.rejected[0].reason
+
+
+def test_the_plain_loss_is_kept_where_both_fit():
+    """Same speed, the fused loss for memory alone: the plain loss wins the tie."""
+    request = _request(global_batch=16, seq_len=1024, strategies=("none",), tp=(1,), pp=(1,), ac=("none",),
+                       offload=(False,), micro_batches=(16,))
+    (only,) = plan(GPT2, _one_gpu(80e9), request).feasible
+    assert not only.layout.fused_loss

@@ -26,9 +26,9 @@ GPUs. For a model (a GPT preset, a custom GPT size, your own builder, or a meshy
 config) and a cluster, every combination of data parallelism (ddp, zero1, fsdp2 =
 ZeRO-2, fsdp3 = ZeRO-3, hsdp), tensor and pipeline degree (context- and expert-parallel
 degrees too, where asked or where the model has experts), activation checkpointing,
-CPU offload and micro-batch is estimated; the fastest that fits are ranked, and each
-layout that does not fit says why. With --scale, one layout is predicted across
-cluster sizes (table and PNG plot)."""
+CPU offload, the fused loss and micro-batch is estimated; the fastest that fits are
+ranked, and each layout that does not fit says why. With --scale, one layout is
+predicted across cluster sizes (table and PNG plot)."""
 
 EPILOG = """\
 examples:
@@ -89,6 +89,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("--ac", help="activation checkpointing: none, selective (every other block), full")
     search.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
                         help="CPU offload of sharded states with fsdp3/hsdp (default: try both)")
+    search.add_argument("--fused-loss", choices=("auto", "on", "off"),
+                        help="the output head and the loss computed together without whole logits "
+                             "(train.fused_linear_loss; meshyard's GPT with tp = pp = 1). Default: try both, "
+                             "or on where --config sets it")
     search.add_argument("--pp-schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b")
     search.add_argument("--pp-virtual", type=int, default=1, help="model chunks per rank (interleaved)")
     search.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")

@@ -5,7 +5,9 @@ The model, in the order a step runs (every term is a line of ``StepEstimate.item
 - compute: a micro-batch's forward FLOPs on the busiest pipeline stage (its blocks'
   share, split by TP, plus the output head on the last stage) over ``peak x
   compute_efficiency``; backward is twice the forward; activation checkpointing
-  re-runs the forward of the recomputed blocks.
+  re-runs the forward of the recomputed blocks. The fused loss (``layout.fused_loss``)
+  runs the head's three matmuls block by block, the same FLOPs, so it costs the plain
+  loss's time: neither's memory traffic over the logits is modelled.
 - tensor parallelism: per block and micro-batch, two all-reduces of ``t x d x c`` bytes
   in forward and two in backward (Megatron; sequence parallelism swaps each for an
   all-gather plus a reduce-scatter of the same volume), and two more per recomputed

@@ -29,6 +29,8 @@ DEFAULT_VOCAB = 50257
 DEFAULT_SEQ = 1024
 DEFAULT_TOKENS_PER_STEP = 2**19
 DEFAULT_PER_GPU_BATCH = 8
+SWITCHES: dict[str, tuple[bool, ...]] = {"auto": (False, True), "on": (True,), "off": (False,)}
+"""What an auto|on|off option (--offload, --fused-loss) lets the search try."""
 
 
 class PlanInputError(BadInput, ValueError):
@@ -56,6 +58,8 @@ class _Defaults:
     optimizer: str = "adamw"
     precision: str = "bf16"
     vocab_size: int = DEFAULT_VOCAB
+    fused_loss: bool = False
+    """``train.fused_linear_loss``: the config runs the fused loss, so the plan does too."""
 
 
 def _int_list(text: str | None, option: str) -> tuple[int, ...]:
@@ -105,7 +109,8 @@ def _config_defaults(path: str | None) -> _Defaults:
     vocab = cfg.model.vocab_size or cfg.data.vocab_size or (256 if byte_text else DEFAULT_VOCAB)
     dtype = cfg.precision.dtype if cfg.precision.dtype != "auto" else "bf16"
     return _Defaults(model=cfg.model, seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
-                     optimizer=cfg.optim.name, precision=dtype, vocab_size=vocab)
+                     optimizer=cfg.optim.name, precision=dtype, vocab_size=vocab,
+                     fused_loss=cfg.train.fused_linear_loss)
 
 
 def describe_from_args(args: argparse.Namespace, defaults: _Defaults, seq_len: int) -> ModelDescription:
@@ -239,10 +244,16 @@ def _request(args: argparse.Namespace, defaults: _Defaults, seq_len: int, strate
         cp=_int_list(getattr(args, "cp", None), "--cp") or (1,), ep=_int_list(getattr(args, "ep", None), "--ep"),
         micro_batches=_int_list(args.micro_batch, "--micro-batch"),
         ac=_choice_list(args.ac, "--ac", AC_MODES) or AC_MODES,
-        offload={"auto": (False, True), "on": (True,), "off": (False,)}[args.offload],
+        offload=SWITCHES[args.offload], fused_loss=_fused_loss(args, defaults),
         pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
         sequence_parallel=not args.no_sequence_parallel, headroom=args.headroom, overlap=args.overlap,
     )
+
+
+def _fused_loss(args: argparse.Namespace, defaults: _Defaults) -> tuple[bool, ...]:
+    """--fused-loss, else 'on' where the config sets train.fused_linear_loss, else both."""
+    choice = getattr(args, "fused_loss", None) or ("on" if defaults.fused_loss else "auto")
+    return SWITCHES[choice]
 
 
 def pricing_from_args(args: argparse.Namespace, cluster: Cluster) -> Pricing | None:
@@ -286,5 +297,8 @@ def resolve_inputs(args: argparse.Namespace) -> PlanInputs:
     _need(max(request.ep, default=1) == 1 or desc.moe is not None,
           f"--ep {getattr(args, 'ep', None)} splits experts over ranks, but model '{desc.name}' has none; give it experts with "
           "--moe-experts (or model.moe_experts in --config), or leave --ep out")
+    _need(False in request.fused_loss or desc.fuses_head_loss,
+          f"--fused-loss on (or train.fused_linear_loss = true in --config) needs meshyard's GPT, whose forward "
+          f"computes the loss from its hidden states; model '{desc.name}' returns logits: give --fused-loss off")
     return PlanInputs(desc=desc, cluster=cluster, request=request, scale_sizes=scale_sizes, per_rank_batch=per_rank,
                       pricing=pricing_from_args(args, cluster))

@@ -2,8 +2,8 @@
 
 A ``PlannedLayout`` is what the planner varies: data-parallel degrees (replicated and
 sharded), the ZeRO stage, tensor, pipeline, context- and expert-parallel degrees, micro-batch and
-accumulation, activation checkpointing and CPU offload. ``PlanPrecision`` names the bytes per parameter
-of each model state, from which the ZeRO arithmetic follows.
+accumulation, activation checkpointing, CPU offload and the fused loss. ``PlanPrecision`` names
+the bytes per parameter of each model state, from which the ZeRO arithmetic follows.
 """
 
 from __future__ import annotations
@@ -119,6 +119,10 @@ class PlannedLayout:
     ac: AcMode = "none"
     offload: bool = False
     """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer live on the host."""
+    fused_loss: bool = False
+    """``train.fused_linear_loss``: the output head and the cross-entropy computed together a
+    block of tokens at a time, so the (tokens x vocabulary) logits never exist whole
+    (meshyard's GPT, with tp = pp = 1)."""
     sequence_parallel: bool = True
     """With tp > 1, split norms and residuals along the sequence (Megatron SP)."""
     vocab_parallel: bool = True
@@ -213,6 +217,8 @@ class PlannedLayout:
             overrides.append(f"--parallel.ac={self.ac}")
         if self.offload:
             overrides.append("--parallel.cpu_offload=true")
+        if self.fused_loss:
+            overrides.append("--train.fused_linear_loss=true")
         return [*overrides, f"--train.global_batch={self.global_batch}", f"--train.micro_batch={self.micro_batch}",
                 f"--data.seq_len={self.seq_len}"]
 

@@ -13,7 +13,8 @@ The steps are meshyard's: the model from ``meshyard.models.gpt``, wrapped by the
 same ``meshyard.parallel.parallelize`` a run uses (TP, activation checkpointing, then
 DDP with gradients as bucket views or FSDP2 per block then the root), AdamW (or
 ZeRO-1's sharded AdamW) from ``meshyard.train.optim.build_optimizer``, the trainer's
-fp32 next-token loss, and ``zero_grad(set_to_none=True)``. Ranks are
+fp32 next-token loss (or the model's fused one, ``train.fused_linear_loss``), and
+``zero_grad(set_to_none=True)``. Ranks are
 ``torch.multiprocessing`` processes on gloo, one thread each.
 """
 
@@ -25,7 +26,7 @@ import socket
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,8 @@ class MemoryProbe:
     steps: int = 2
     checkpoint: bool = False
     """Recompute every block in backward (full activation checkpointing)."""
+    fused_loss: bool = False
+    """The model computes its loss from the hidden states (``train.fused_linear_loss``)."""
 
     def shape(self) -> GPTShape:
         return GPTShape(vocab_size=self.vocab_size, context_length=self.seq_len, **GPT_PRESETS[self.preset])
@@ -64,10 +67,11 @@ class MemoryProbe:
         return make_layout(planner_strategy(_parallel_config(self)), self.world_size, tp=tp,
                            micro_batch=self.micro_batch, seq_len=self.seq_len, precision=PRECISIONS["fp32"],
                            ac="full" if self.checkpoint else "none", sequence_parallel=False,
-                           vocab_parallel=True)
+                           vocab_parallel=True, fused_loss=self.fused_loss)
 
     def label(self) -> str:
-        return f"{self.preset} {self.strategy}{' +ac' if self.checkpoint else ''} x{self.world_size}"
+        savers = (" +ac" if self.checkpoint else "") + (" +fused" if self.fused_loss else "")
+        return f"{self.preset} {self.strategy}{savers} x{self.world_size}"
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+def measure_call_peak(call: Callable[[], object]) -> int:
+    """Peak live bytes that c10's CPU allocator held beyond its total before ``call`` ran,
+    measured as the module docstring says (what ``call`` returns is dropped after)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        marker = torch.empty(1)  # first event: the allocator's total before the call
+        result = call()
+        del marker, result
+    events = _allocator_events(prof)
+    _, marker_bytes, after_marker = events[0]
+    return int(max(total for _, _, total in events) - (after_marker - marker_bytes))
+
+
+def _allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
     """(time, bytes allocated (negative: freed), live bytes after) of every CPU allocator
     event the profiler saw, in time order.
 
@@ -142,19 +158,25 @@ def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
         optimizer = build_optimizer(unwrap(model), OptimConfig(), 1e-3, shard_group=dist.group.WORLD if zero1 else None)
         for tokens in batches:
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
-            logits = model(inputs)
-            # The trainer's loss: fp32 cross-entropy over the flattened positions.
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            del logits
+            loss = _loss(model, inputs, targets, probe.fused_loss)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         del marker
-    events = allocator_events(prof)
+    events = _allocator_events(prof)
     _, marker_bytes, after_marker = events[0]
     baseline = after_marker - marker_bytes
     peak = max(total for _, _, total in events) - baseline
     return MeasuredPeak(rank=rank, peak_bytes=int(peak), final_bytes=int(events[-1][2] - baseline))
+
+
+def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The trainer's loss: fp32 cross-entropy over the flattened positions, or the model's
+    own from its hidden states (``fused``), as ``Trainer`` computes them."""
+    if fused:
+        return model(inputs, targets=targets)
+    logits = model(inputs)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _worker(rank: int, probes: list[MemoryProbe], port: int, out_dir: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshyard.models.flops import TRAINING_PER_FORWARD, gpt_counts, head_forward_flops, layer_forward_flops
-from meshyard.models.gpt import GPTShape
+from meshyard.models.gpt import GPT, GPTShape
 from meshyard.models.moe import MoEShape
 
 
@@ -84,6 +84,10 @@ class ModelDescription:
     mlp_hidden: int = 0
     tp_capable: bool = True
     """Whether the block layout is known well enough to split it with tensor parallelism."""
+    fuses_head_loss: bool = False
+    """Whether the model's forward can compute its loss from the final hidden states, without
+    logits (``train.fused_linear_loss``): the ``fuses_head_loss`` of meshyard's GPT, which the
+    trainer asks the module for too."""
     traced_seq_len: int = 0
     """Non-zero for traced models: the sequence length their FLOPs were counted at."""
     traced_layer_flops: float = 0.0
@@ -206,6 +210,7 @@ def describe_gpt(shape: GPTShape, name: str = "gpt") -> ModelDescription:
         largest_param=counts.largest_param,
         tied_embeddings=shape.tie_embeddings,
         mlp_hidden=counts.mlp_hidden,
+        fuses_head_loss=GPT.fuses_head_loss,
         moe=shape.moe,
         expert_params_per_layer=counts.expert_params_per_layer,
     )

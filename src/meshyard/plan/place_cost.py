@@ -76,6 +76,7 @@ def plan_inputs(cfg: Config, checked: ValidatedLayout) -> tuple[ModelDescription
         tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep,
         micro_batch=max(1, micro), grad_accum=batch.grad_accum * chunks, seq_len=cfg.data.seq_len,
         precision=PRECISIONS[_PRECISION[cfg.precision.dtype]], optimizer=cfg.optim.name, ac=par.ac,
+        fused_loss=cfg.train.fused_linear_loss,
         sequence_parallel=par.sequence_parallel, pp_schedule=schedule,  # type: ignore[arg-type]
         pp_virtual=par.pp_virtual_stages if schedule == "interleaved" else 1, bucket_mb=par.bucket_mb,
     )

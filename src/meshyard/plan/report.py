@@ -45,7 +45,7 @@ def render_cluster(console: Console, cluster: Cluster, dtype: str) -> None:
 
 def _layout_cells(layout: PlannedLayout) -> list[str]:
     accum = f"{layout.micro_batch} x {layout.grad_accum}"
-    saver = layout.ac + (" +offload" if layout.offload else "")
+    saver = layout.ac + (" +offload" if layout.offload else "") + (" +fused loss" if layout.fused_loss else "")
     return [layout.describe(), accum, saver]
 
 
@@ -56,7 +56,7 @@ def render_plan(console: Console, result: PlanResult, top: int, show_rejected: i
     table = Table(title=f"Feasible layouts, fastest first ({len(result.feasible)} of "
                         f"{len(result.feasible) + len(result.rejected)} families; usable memory "
                         f"{fmt_bytes(result.usable_bytes)} per device)")
-    for name, justify in (("#", "right"), ("layout", "left"), ("micro x accum", "right"), ("recompute", "left"),
+    for name, justify in (("#", "right"), ("layout", "left"), ("micro x accum", "right"), ("savers", "left"),
                           ("memory/device", "right"), ("step", "right"), ("tokens/s", "right"), ("MFU", "right"),
                           ("exposed comm", "right"), *_cost_columns(pricing)):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -185,6 +185,7 @@ def render_scale(console: Console, result: ScaleResult) -> None:
 def _saver(layout: PlannedLayout) -> str:
     parts = [] if layout.ac == "none" else [f"ac={layout.ac}"]
     parts += ["offload"] if layout.offload else []
+    parts += ["fused loss"] if layout.fused_loss else []
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -1,11 +1,11 @@
 """The strategy planner: enumerate layouts, keep those that fit, rank them by speed.
 
 Layouts vary the data-parallel strategy, tensor, pipeline, context- and expert-parallel
-degrees, activation checkpointing, CPU offload and the micro-batch; the global batch,
-sequence length, precision and optimizer are fixed by the user. Of each (strategy, tp, pp,
-cp, ep) family only the fastest variant that fits is kept, so the ranking shows different layouts rather
-than batch sizes. A family none of whose variants fits is reported once, with its
-smallest-memory attempt and what fills it.
+degrees, activation checkpointing, CPU offload, the fused loss and the micro-batch; the
+global batch, sequence length, precision and optimizer are fixed by the user. Of each
+(strategy, tp, pp, cp, ep) family only the fastest variant that fits is kept, so the
+ranking shows different layouts rather than batch sizes. A family none of whose variants
+fits is reported once, with its smallest-memory attempt and what fills it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class PlanRequest:
     """Micro-batch sizes to try; empty: every power of two dividing the per-rank batch."""
     ac: tuple[str, ...] = AC_MODES
     offload: tuple[bool, ...] = (False, True)
+    fused_loss: tuple[bool, ...] = (False, True)
+    """Plain and/or fused loss (``train.fused_linear_loss``) to try; the fused one only where it
+    runs (``fused_loss_problem``)."""
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     sequence_parallel: bool = True
@@ -124,29 +127,64 @@ def _hsdp_shard(cluster: Cluster, tp: int) -> int:
     return max(1, cluster.gpus_per_node // tp)
 
 
-def _variants(request: PlanRequest, per_rank: int, strategy: str) -> Iterable[tuple[str, bool, int]]:
+def _variants(request: PlanRequest, per_rank: int, strategy: str,
+              fused: tuple[bool, ...]) -> Iterable[tuple[str, bool, bool, int]]:
+    """(ac, offload, fused loss, micro-batch) of a family; ``fused``: the losses it runs."""
     micro = request.micro_batches or tuple(_powers_of_two(per_rank))
     for ac in request.ac:
         for offload in request.offload:
             if offload and strategy not in ("fsdp3", "hsdp"):
                 continue
-            for mb in micro:
-                if per_rank % mb == 0:
-                    yield ac, offload, mb
+            for fused_loss in fused:
+                for mb in micro:
+                    if per_rank % mb == 0:
+                        yield ac, offload, fused_loss, mb
 
 
-def _saving_key(memory: MemoryEstimate, layout: PlannedLayout) -> tuple[float, int, int, bool]:
+def fused_loss_problem(desc: ModelDescription, tp: int, pp: int) -> str | None:
+    """Why the fused loss cannot run with (tp, pp) for this model, or None (``config.checks``
+    and the trainer say the same to a run)."""
+    if not desc.fuses_head_loss:
+        return f"the fused loss needs meshyard's GPT, whose forward computes the loss; {desc.name} returns logits"
+    if tp > 1:
+        return f"the fused loss does not combine with tp={tp} (the head is split over the vocabulary)"
+    if pp > 1:
+        return f"the fused loss does not combine with pp={pp} (the last stage computes the loss from logits)"
+    return None
+
+
+def _fused_options(desc: ModelDescription, request: PlanRequest, tp: int, pp: int) -> tuple[bool, ...]:
+    """The losses a family tries: those asked for, less the fused one where it cannot run."""
+    if fused_loss_problem(desc, tp, pp) is None:
+        return request.fused_loss
+    return tuple(fused for fused in request.fused_loss if not fused)
+
+
+def _fused_request_problem(desc: ModelDescription, request: PlanRequest, tp: int, pp: int) -> str | None:
+    """Why a family runs none of the losses asked for (the fused one alone, where it cannot run)."""
+    if _fused_options(desc, request, tp, pp):
+        return None
+    return fused_loss_problem(desc, tp, pp)
+
+
+def _saving_key(memory: MemoryEstimate, layout: PlannedLayout) -> tuple[float, int, int, bool, bool]:
     """Order of failed attempts: least memory, then the strongest savers (smallest
-    micro-batch, most recomputation, offload), so the message names what was tried."""
-    return (round(memory.peak_bytes), layout.micro_batch, -AC_MODES.index(layout.ac), not layout.offload)
+    micro-batch, most recomputation, offload, fused loss), so the message names what was tried."""
+    return (round(memory.peak_bytes), layout.micro_batch, -AC_MODES.index(layout.ac), not layout.offload,
+            not layout.fused_loss)
 
 
-def _better(step: StepEstimate, memory: MemoryEstimate, best: Candidate) -> bool:
-    """Faster wins; within half a percent (the model's resolution) less memory wins."""
+def _better(step: StepEstimate, memory: MemoryEstimate, layout: PlannedLayout, best: Candidate) -> bool:
+    """Faster wins; within half a percent (the model's resolution) the plain loss wins over
+    the fused one (a setting fewer, for memory alone), then less memory wins."""
     ours, theirs = step.tokens_per_second, best.step.tokens_per_second
     if ours > theirs * 1.005:
         return True
-    return ours >= theirs * 0.995 and memory.peak_bytes < best.memory.peak_bytes
+    if ours < theirs * 0.995:
+        return False
+    if layout.fused_loss != best.layout.fused_loss:
+        return not layout.fused_loss
+    return memory.peak_bytes < best.memory.peak_bytes
 
 
 def _family_label(strategy: str, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> str:
@@ -184,7 +222,8 @@ def plan(desc: ModelDescription, cluster: Cluster, request: PlanRequest) -> Plan
         if moe_problem and ep > 1 and not request.ep:
             continue  # an ep degree nobody asked for, where it cannot run: no news
         problem = (structural_problem(desc, cluster, strategy, tp, pp, request, cp)
-                   or _cp_problem(strategy, pp, cp, request.seq_len) or moe_problem)
+                   or _cp_problem(strategy, pp, cp, request.seq_len) or moe_problem
+                   or _fused_request_problem(desc, request, tp, pp))
         if problem:
             result.rejected.append(Rejection(label, problem))
             continue
@@ -237,12 +276,13 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
     per_rank = request.global_batch // dp
     best: Candidate | None = None
     closest: tuple[MemoryEstimate, PlannedLayout] | None = None
-    for ac, offload, mb in _variants(request, per_rank, strategy):
+    losses = _fused_options(desc, request, tp, pp)
+    for ac, offload, fused_loss, mb in _variants(request, per_rank, strategy, losses):
         layout = make_layout(
             strategy, cluster.n_gpus, tp=tp, pp=pp, cp=cp, ep=ep, shard=max(1, _hsdp_shard(cluster, tp * cp)),
             micro_batch=mb, grad_accum=per_rank // mb, seq_len=request.seq_len, precision=request.precision,
-            optimizer=request.optimizer, ac=ac, offload=offload, sequence_parallel=request.sequence_parallel,
-            pp_schedule=request.pp_schedule, pp_virtual=request.pp_virtual,
+            optimizer=request.optimizer, ac=ac, offload=offload, fused_loss=fused_loss,
+            sequence_parallel=request.sequence_parallel, pp_schedule=request.pp_schedule, pp_virtual=request.pp_virtual,
         )
         memory = estimate_memory(desc, layout, foreach=request.foreach)
         if memory.peak_bytes > usable:
@@ -250,7 +290,7 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
                 closest = (memory, layout)
             continue
         step = estimate_step(desc, layout, cluster, overlap=request.overlap)
-        if best is None or _better(step, memory, best):
+        if best is None or _better(step, memory, layout, best):
             best = Candidate(layout, memory, step)
     label = _family_label(strategy, tp, pp, dp, cp, ep)
     if best is not None:
@@ -266,7 +306,8 @@ def _out_of_memory(label: str, memory: MemoryEstimate, layout: PlannedLayout, us
     """The rejection of a family, quoting its smallest attempt and what fills it."""
     top = sorted(memory.items, key=lambda i: -i.bytes)[:2]
     parts = ", ".join(f"{i.name} {fmt_bytes(i.bytes)}" for i in top)
-    saver = f"micro-batch {layout.micro_batch}, ac={layout.ac}" + (", offload" if layout.offload else "")
+    saver = (f"micro-batch {layout.micro_batch}, ac={layout.ac}" + (", offload" if layout.offload else "")
+             + (", fused loss" if layout.fused_loss else ""))
     reason = (f"out of memory: needs {fmt_bytes(memory.peak_bytes)} > {fmt_bytes(usable)} usable even with "
               f"{saver} (largest: {parts})")
     return Rejection(label, reason, memory.peak_bytes)

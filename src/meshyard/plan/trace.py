@@ -134,6 +134,7 @@ def describe_module(module: nn.Module, seq_len: int, name: str = "custom", make_
         head_saved_units=outside / tokens / unit,
         largest_param=max(p.numel() for p in module.parameters()),
         tied_embeddings=False, tp_capable=False, traced_seq_len=seq_len,
+        fuses_head_loss=bool(getattr(module, "fuses_head_loss", False)),
         traced_layer_flops=inside_flops / n / tokens, traced_head_flops=outside_flops / tokens,
     )
 
