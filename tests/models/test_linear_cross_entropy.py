@@ -3,14 +3,13 @@ head's logits through PyTorch's cross-entropy, without the logits kept whole."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meshyard.models.gpt import GPT, GPTShape
-from meshyard.models.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
+from meshyard.models.linear_cross_entropy import (BLOCK_ELEMENTS, GPU_MIN_BLOCK_ROWS, IGNORE_INDEX, block_rows,
+                                                  linear_cross_entropy)
 from meshyard.train.loss import next_token_loss
 
 
@@ -128,10 +127,8 @@ def test_gpt_given_targets_returns_the_loss_of_its_logits_with_the_same_gradient
 
 
 def test_blocks_hold_a_bounded_count_of_logits_but_enough_rows_on_a_gpu():
-    from meshyard.models.linear_cross_entropy import BLOCK_ELEMENTS, GPU_MIN_BLOCK_ROWS, _rows_per_block
+    assert block_rows(50304, "cpu") == BLOCK_ELEMENTS // 50304 == 667
+    assert block_rows(1 << 30, "cpu") == 1
+    assert block_rows(50304, "cuda") == GPU_MIN_BLOCK_ROWS == 4096
+    assert block_rows(1000, "cuda") == BLOCK_ELEMENTS // 1000  # a small vocabulary: more rows
 
-    on = {kind: SimpleNamespace(device=torch.device(kind)) for kind in ("cpu", "cuda")}  # only the device is read
-    assert _rows_per_block(on["cpu"], 50304) == BLOCK_ELEMENTS // 50304 == 667
-    assert _rows_per_block(on["cpu"], 1 << 30) == 1
-    assert _rows_per_block(on["cuda"], 50304) == GPU_MIN_BLOCK_ROWS == 4096
-    assert _rows_per_block(on["cuda"], 1000) == BLOCK_ELEMENTS // 1000  # a small vocabulary: more rows

@@ -57,7 +57,7 @@ def test_a_config_with_the_fused_loss_is_planned_with_it(tmp_path, capsys):
                    'fused_linear_loss = true\n')
     assert _run("--config", str(cfg), "--gpus", "2", "--explain", "1") == 0
     out = capsys.readouterr().out
-    assert "none +fused loss" in out and "fused: max(G + " in out
+    assert "none +fused loss" in out and "fused: G + 8 B x b" in out
     assert "the fused loss does not combine with tp=2" in out
     assert "--train.fused_linear_loss=true" in out.split("Run #1 with:")[1]
     assert _run("--config", str(cfg), "--gpus", "2", "--explain", "0", "--fused-loss", "off") == 0

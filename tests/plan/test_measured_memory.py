@@ -40,7 +40,7 @@ def measured() -> dict[str, int]:
 
 @pytest.mark.parametrize("probe", PROBES, ids=MemoryProbe.label)
 def test_estimate_within_15_percent_of_measured_peak(probe, measured):
-    estimate = estimate_memory(describe_gpt(probe.shape()), probe.layout(), foreach=False)
+    estimate = estimate_memory(describe_gpt(probe.shape()), probe.layout(), foreach=False, on_gpu=False)
     actual = measured[probe.label()]
     assert abs(estimate.peak_bytes - actual) <= TOLERANCE * actual, (
         f"{probe.label()}: estimated {estimate.peak_bytes / 1e6:.2f} MB, measured {actual / 1e6:.2f} MB")
@@ -48,9 +48,10 @@ def test_estimate_within_15_percent_of_measured_peak(probe, measured):
 
 @pytest.mark.parametrize("dtype, d_model, rows", [
     (torch.float32, 64, 2048),  # one block
-    (torch.float32, 64, 256),  # several blocks, the blocks' moment peaks
-    (torch.float32, 512, 64),  # several blocks, the fp32 gradients' scaled copies peak
+    (torch.float32, 64, 256),  # several blocks
+    (torch.float32, 512, 64),  # several blocks, large fp32 gradients
     (torch.bfloat16, 64, 256),  # under autocast: bf16 matmuls and a bf16 cast of the head
+    (torch.float16, 64, 2048),
 ])
 def test_fused_loss_bytes_match_the_measured_peak_of_the_loss(dtype, d_model, rows):
     """The fused loss's forward on CPU, measured as the probes are, against the estimate
@@ -67,7 +68,7 @@ def test_fused_loss_bytes_match_the_measured_peak_of_the_loss(dtype, d_model, ro
 
     compute = torch.finfo(dtype).bits // 8
     cast = vocab * d_model * compute if compute < 4 else 0
-    estimate = fused_loss_bytes(tokens, vocab, d_model, compute, rows) + cast
+    estimate = fused_loss_bytes(tokens, vocab, d_model, rows) + cast
     measured = measure_call_peak(forward)
     assert abs(estimate - measured) <= 0.03 * measured, (
         f"estimated {estimate / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB")

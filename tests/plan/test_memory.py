@@ -147,39 +147,38 @@ GPT2_PADDED = describe_gpt(GPTShape(vocab_size=50304, context_length=1024, n_lay
 
 def test_fused_loss_holds_blocks_and_fp32_gradients_not_whole_logits():
     """GPT-2 124M at 16 x 1024 tokens, vocabulary 50304, bf16 on one GPU (fp32 parameters
-    under autocast). Plain: 3 x t x V x 4 B = 9.89 GB. Fused: blocks of 2^25 // 50304 = 667
-    rows; per logit 3 x 4 fp32 + 2 (this block's bf16 gradient) + 2 (the last block's);
-    G = (t + V) x d x 4 fp32 gradients; peak max(G + 16 b, 2G + 2 b), plus the head's bf16
-    cast V x d x 2, which the loss makes (autocast no longer saves one for backward)."""
+    under autocast). Plain: 3 x t x V x 4 B = 9.89 GB. Fused: blocks of 4096 rows on a GPU
+    (2^25 // 50304 = 667 on a CPU), 8 B a logit; G = (t + V) x d x 4 fp32 gradients; plus
+    the head's bf16 cast V x d x 2, which the loss makes (autocast no longer saves one)."""
     t, vocab, d = 16 * 1024, 50304, 768
     layout = make_layout("none", 1, micro_batch=16, seq_len=1024, precision=PRECISIONS["bf16"])
     plain, fused = (estimate_memory(GPT2_PADDED, layout.with_(fused_loss=f)) for f in (False, True))
     assert plain.item("loss") == 3 * t * vocab * 4 == 9_890_168_832
-    block, grads = 667 * vocab, (t + vocab) * d * 4
-    assert (block, grads) == (33_552_768, 204_865_536)
-    assert grads + 16 * block > 2 * grads + 2 * block  # the blocks' moment is the peak here
-    assert fused.item("loss") == vocab * d * 2 + grads + 16 * block == 818_976_768
-    assert plain.item("gathered parameters") - fused.item("gathered parameters") == vocab * d * 2
-    assert plain.peak_bytes - fused.peak_bytes == pytest.approx(9_890_168_832 - 741_709_824)
+    grads, cast = (t + vocab) * d * 4, vocab * d * 2
+    assert (grads, cast) == (204_865_536, 77_266_944)
+    assert fused.item("loss") == cast + grads + 8 * 4096 * vocab == 1_930_493_952
+    on_cpu = estimate_memory(GPT2_PADDED, layout.with_(fused_loss=True), on_gpu=False)
+    assert on_cpu.item("loss") == cast + grads + 8 * 667 * vocab == 550_554_624
+    assert plain.item("gathered parameters") - fused.item("gathered parameters") == cast
+    assert plain.peak_bytes - fused.peak_bytes == pytest.approx(9_890_168_832 - 1_853_227_008)
 
 
 def test_fused_loss_under_fsdp_has_no_cast_of_its_own():
     """FSDP2's mixed-precision policy gathers the head in bf16: the loss casts nothing."""
     layout = make_layout("fsdp3", 8, micro_batch=16, seq_len=1024, precision=PRECISIONS["bf16"], fused_loss=True)
     memory = estimate_memory(GPT2_PADDED, layout)
-    assert memory.item("loss") == 741_709_824  # G + 16 b, as above
+    assert memory.item("loss") == 1_853_227_008  # G + 8 b, as above
     plain = estimate_memory(GPT2_PADDED, layout.with_(fused_loss=False))
     assert memory.item("gathered parameters") == plain.item("gathered parameters")
 
 
-@pytest.mark.parametrize("tokens, vocab, d_model, compute, rows, expected", [
-    (1024, 4096, 64, 4, 4096, (1024 + 4096) * 64 * 4 + 12 * 1024 * 4096),  # one block, fp32: 3 x 4 B a logit
-    (1024, 4096, 64, 2, 1024, (1024 + 4096) * 64 * 4 + 14 * 1024 * 4096),  # one block, bf16: + its bf16 gradient
-    (1024, 4096, 64, 4, 256, (1024 + 4096) * 64 * 4 + 16 * 256 * 4096),  # several: + the last block's gradient
-    (1024, 4096, 512, 2, 64, 2 * (1024 + 4096) * 512 * 4 + 2 * 64 * 4096),  # G large: its scaled copies peak
+@pytest.mark.parametrize("tokens, vocab, d_model, rows, expected", [
+    (1024, 4096, 64, 4096, (1024 + 4096) * 64 * 4 + 8 * 1024 * 4096),  # one block (rows capped at the tokens)
+    (1024, 4096, 64, 256, (1024 + 4096) * 64 * 4 + 8 * 256 * 4096),  # several blocks
+    (1024, 4096, 512, 64, (1024 + 4096) * 512 * 4 + 8 * 64 * 4096),  # G large
 ])
-def test_fused_loss_bytes_by_hand(tokens, vocab, d_model, compute, rows, expected):
-    assert fused_loss_bytes(tokens, vocab, d_model, compute, rows) == expected
+def test_fused_loss_bytes_by_hand(tokens, vocab, d_model, rows, expected):
+    assert fused_loss_bytes(tokens, vocab, d_model, rows) == expected
 
 
 LAYOUTS = [

@@ -106,12 +106,13 @@ def _one_gpu(memory: float):
 
 def test_the_fused_loss_is_picked_where_it_makes_the_layout_fit():
     """GPT-2 at 16 x 1024 tokens a micro-batch: the plain loss's 9.9 GB do not fit in 14 GB
-    (12.6 usable), the fused loss's 0.8 GB do; with the plain loss forced, nothing fits."""
+    (12.6 usable), the fused loss's 1.9 GB (blocks of 4096 rows on a GPU) do; with the plain
+    loss forced, nothing fits."""
     request = _request(global_batch=16, seq_len=1024, strategies=("none",), tp=(1,), pp=(1,), ac=("none",),
                        offload=(False,), micro_batches=(16,))
     result = plan(GPT2, _one_gpu(14e9), request)
     (only,) = result.feasible
-    assert only.layout.fused_loss and only.memory.item("loss") < 1e9
+    assert only.layout.fused_loss and only.memory.item("loss") < 2e9
     assert "--train.fused_linear_loss=true" in only.layout.config_overrides()
     plain = plan(GPT2, _one_gpu(14e9), replace(request, fused_loss=(False,)))
     assert not plain.feasible and "loss 9.88 GB" in plain.rejected[0].reason

@@ -14,7 +14,10 @@ unfused loss's: the matmuls in the compute dtype (autocast's, or the inputs'), t
 softmax in fp32, the weight's gradient summed over blocks in fp32.
 
 The same three matmuls run as without fusion, in blocks; the loss's reads and writes of
-the whole logits and their gradient do not.
+the whole logits and their gradient do not. At its peak the forward holds those two fp32
+gradients and 8 bytes per logit of one block (its fp32 logits, which become the softmax's
+gradient in place, and log-sum-exp's temporary of the same size), plus the head's cast to
+the compute dtype where the weight is wider (``BLOCK_LOGIT_BYTES``, measured on CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ IGNORE_INDEX = -100
 
 BLOCK_ELEMENTS = 1 << 25
 """Logit values per block: 64 MB in bf16, 128 MB in fp32, whatever the vocabulary..."""
+
+BLOCK_LOGIT_BYTES = 8
+"""Bytes a block's logit holds at the forward's peak, in fp32, bf16 and fp16 alike (see above)."""
 
 GPU_MIN_BLOCK_ROWS = 4096
 """...but on a GPU no fewer rows than this per block. The weight's gradient is summed over
@@ -42,7 +48,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     (vocabulary, width)) against ``targets`` (rows,), over the rows whose target is not
     ``IGNORE_INDEX`` (NaN when there is none, as PyTorch's), without the logits ever existing
     whole. The result is fp32; gradients reach ``hidden`` and ``weight`` in their dtypes."""
-    rows = rows_per_block or _rows_per_block(hidden, weight.shape[0])
+    rows = rows_per_block or block_rows(weight.shape[0], hidden.device.type)
     compute = _compute_dtype(hidden)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(hidden, weight, targets, rows, compute)
@@ -63,20 +69,22 @@ class LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
             counted, safe_targets, count = _counted(targets)
             weight_c = weight.to(compute)
-            losses, grad_hidden = [], []
+            losses = []
+            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for rows_of in _blocks(hidden.shape[0], rows):
                 hidden_block = hidden[rows_of].to(compute)
                 loss, grad_logits = _block(hidden_block, weight_c, safe_targets[rows_of], counted[rows_of],
                                            with_grad=True)
                 losses.append(loss)
-                grad_hidden.append((grad_logits @ weight_c).float())
+                grad_hidden[rows_of] = grad_logits @ weight_c
                 _accumulate(grad_weight, grad_logits.t(), hidden_block)
+                del grad_logits, hidden_block  # before the next block's logits exist
             # The mean's 1 / count is applied in fp32, after the matmuls: folded into their
             # fp16 inputs it would flush most softmax gradients to zero (a GradScaler scales
             # only what reaches the backward). No 0 / 0 when no row counts.
             per_row = 1.0 / count.clamp(min=1)
-            ctx.save_for_backward(torch.cat(grad_hidden) * per_row, grad_weight * per_row)
+            ctx.save_for_backward(grad_hidden.mul_(per_row), grad_weight.mul_(per_row))
             ctx.dtypes = hidden.dtype, weight.dtype
             return torch.cat(losses).sum() / count
 
@@ -98,9 +106,11 @@ def _block(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, co
     losses = (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)) * counted
     if not with_grad:
         return losses, None
-    grad = torch.exp(logits - lse.unsqueeze(1))
-    grad = grad.scatter_add(1, targets.unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
-    return losses, (grad * counted.unsqueeze(1)).to(hidden.dtype)
+    # The softmax in place of the logits, less the one-hot target, zero on ignored rows: no
+    # second block-sized fp32 tensor.
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    grad.scatter_add_(1, targets.unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
+    return losses, grad.mul_(counted.unsqueeze(1)).to(hidden.dtype)
 
 
 def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
@@ -119,9 +129,10 @@ def _counted(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return counted, torch.where(counted, targets, torch.zeros_like(targets)), counted.sum().float()
 
 
-def _rows_per_block(hidden: torch.Tensor, vocabulary: int) -> int:
-    """``BLOCK_ELEMENTS`` logits per block, with at least ``GPU_MIN_BLOCK_ROWS`` rows on a GPU."""
-    return max(BLOCK_ELEMENTS // vocabulary, GPU_MIN_BLOCK_ROWS if hidden.device.type == "cuda" else 1)
+def block_rows(vocabulary: int, device_type: str) -> int:
+    """Rows of one block: ``BLOCK_ELEMENTS`` logits, but at least ``GPU_MIN_BLOCK_ROWS`` on a
+    GPU (``device_type`` 'cuda'). ``meshyard plan`` counts the blocks the same way."""
+    return max(BLOCK_ELEMENTS // vocabulary, GPU_MIN_BLOCK_ROWS if device_type == "cuda" else 1)
 
 
 def _blocks(rows: int, per_block: int) -> list[slice]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshyard.models.linear_cross_entropy import BLOCK_ELEMENTS
+from meshyard.models.linear_cross_entropy import BLOCK_LOGIT_BYTES, block_rows
 from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.stage import StageShape, stage_shapes
@@ -159,7 +159,7 @@ def _fmt_flight(flight: float) -> str:
     return f"{flight:g}" if flight == int(flight) else f"{flight:.2f}"
 
 
-def io_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -> list[MemoryItem]:
+def io_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout, on_gpu: bool = True) -> list[MemoryItem]:
     """Inputs, targets and the loss: token ids, the final norm, log-softmax and its gradients.
 
     The loss is computed in fp32 (``logits.float()``); at the start of backward the saved
@@ -176,48 +176,34 @@ def io_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayout) -
         items.append(MemoryItem("final norm", shape.last_in_flight * head,
                                 f"{desc.head_saved_units:g} x d x a per token + int64 targets"))
         if layout.fused_loss:
-            items.append(fused_loss_item(desc, layout))
+            items.append(fused_loss_item(desc, layout, on_gpu))
         else:
             items.append(MemoryItem("loss", 3 * t * vocab * 4,
                                     f"3 x t x V = 3 x {t} x {fmt_count(vocab)} x 4 B (fp32 log-softmax and grads)"))
     return items
 
 
-def fused_loss_item(desc: ModelDescription, layout: PlannedLayout) -> MemoryItem:
+def fused_loss_item(desc: ModelDescription, layout: PlannedLayout, on_gpu: bool = True) -> MemoryItem:
     """The fused loss (``meshyard.models.linear_cross_entropy``) at its peak, inside its
-    forward: ``fused_loss_bytes`` for blocks of ``BLOCK_ELEMENTS`` logits, plus the head's
-    compute-dtype cast where the loss makes one (``_loss_casts_head``)."""
+    forward: ``fused_loss_bytes`` for its blocks (``block_rows``: on a GPU at least 4096
+    rows), plus the head's compute-dtype cast where the loss makes one (``_loss_casts_head``)."""
     t, vocab, d, c = layout.tokens_per_micro_batch, desc.vocab_size, desc.d_model, layout.precision.compute
-    rows = min(t, max(1, BLOCK_ELEMENTS // vocab))
+    rows = min(t, block_rows(vocab, "cuda" if on_gpu else "cpu"))
     cast = vocab * d * c if _loss_casts_head(layout) else 0
     cast_text = f"head cast c x V x d = {fmt_bytes(cast)} + " if cast else ""
-    per_logit, grads = _bytes_per_logit(c, rows < t), (t + vocab) * d * 4
-    return MemoryItem("loss", cast + fused_loss_bytes(t, vocab, d, c, rows),
-                      f"fused: {cast_text}max(G + {per_logit} B x b, 2G + {c} B x b); G = (t + V) x d x 4 B = "
-                      f"{fmt_bytes(grads)} (fp32 gradients kept), b = {rows} x {fmt_count(vocab)} logits a block")
+    return MemoryItem("loss", cast + fused_loss_bytes(t, vocab, d, rows),
+                      f"fused: {cast_text}G + {BLOCK_LOGIT_BYTES} B x b; G = (t + V) x d x 4 B = "
+                      f"{fmt_bytes((t + vocab) * d * 4)} (fp32 gradients kept), b = {rows} x {fmt_count(vocab)} "
+                      "logits a block")
 
 
-def fused_loss_bytes(tokens: int, vocab: int, d_model: int, compute: int, rows: int) -> float:
-    """Peak bytes of the fused loss's forward over ``tokens`` rows, ``rows`` at a time, with
-    ``compute``-byte matmuls (the head's cast aside).
-
-    It keeps for backward the fp32 gradients of the hidden states and of the head's weight,
-    G = (t + V) x d x 4 bytes. While a block of b = rows x V logits is processed, G (nearly
-    all of it) is held beside ``_bytes_per_logit`` of each logit; once the blocks are done,
-    the gradients' scaled copies double G beside the last block's gradient (c x b).
-    """
+def fused_loss_bytes(tokens: int, vocab: int, d_model: int, rows: int) -> float:
+    """Peak bytes of the fused loss's forward over ``tokens`` rows, ``rows`` at a time (the
+    head's cast aside): the fp32 gradients of the hidden states and of the head's weight it
+    keeps for backward, G = (t + V) x d x 4 bytes, beside ``BLOCK_LOGIT_BYTES`` for each of
+    the b = rows x V logits of the block being processed, whatever the compute dtype."""
     rows = min(rows, tokens)
-    block, grads = rows * vocab, (tokens + vocab) * d_model * 4
-    return max(grads + _bytes_per_logit(compute, rows < tokens) * block, 2 * grads + compute * block)
-
-
-def _bytes_per_logit(compute: int, several_blocks: bool) -> int:
-    """Bytes a block's logit takes at its peak: the fp32 logits, softmax and its masked copy
-    (3 x 4), the compute-dtype gradient where c < 4 (in fp32 the masked copy is that
-    gradient) and, with several blocks, the previous block's gradient until this one
-    replaces it (c). Measured on CPU in fp32 and bf16: 12 and 14 bytes with one block, 16
-    with several."""
-    return 3 * 4 + (compute if compute < 4 else 0) + (compute if several_blocks else 0)
+    return (tokens + vocab) * d_model * 4 + BLOCK_LOGIT_BYTES * rows * vocab
 
 
 def _loss_casts_head(layout: PlannedLayout) -> bool:
@@ -305,13 +291,16 @@ def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: Plan
 
 
 def estimate_memory(
-    desc: ModelDescription, layout: PlannedLayout, foreach: bool = True, stage: int | None = None
+    desc: ModelDescription, layout: PlannedLayout, foreach: bool = True, stage: int | None = None,
+    on_gpu: bool = True,
 ) -> MemoryEstimate:
-    """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``."""
+    """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``; ``foreach``
+    and ``on_gpu`` (both the GPU's defaults) choose the optimizer's temporaries and the fused
+    loss's blocks as the trainer would on a GPU, or on a CPU when false."""
     shapes = stage_shapes(desc, layout)
     if stage is not None:
-        return _estimate_stage(desc, layout, shapes[stage], foreach)
-    estimates = [_estimate_stage(desc, layout, s, foreach) for s in shapes]
+        return _estimate_stage(desc, layout, shapes[stage], foreach, on_gpu)
+    estimates = [_estimate_stage(desc, layout, s, foreach, on_gpu) for s in shapes]
     return max(estimates, key=lambda e: e.peak_bytes)
 
 
@@ -336,7 +325,8 @@ def _total(items: list[MemoryItem]) -> float:
     return sum(i.bytes for i in items)
 
 
-def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageShape, foreach: bool) -> MemoryEstimate:
+def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageShape, foreach: bool,
+                    on_gpu: bool) -> MemoryEstimate:
     states = model_state_items(shape, layout)
     params, grads, optim = states
     grads_fwd, accum = _gradients_during_forward(shape, layout, grads)
@@ -350,7 +340,7 @@ def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageS
                       "4 B x Psi/N (foreach)" if foreach else "2 x 4 B x largest parameter")
     lines = {
         "start of backward": [params, *grads_fwd, optim, *accum, *activation_items(desc, shape, layout),
-                              *io_items(desc, shape, layout), *gathered, *buffers],
+                              *io_items(desc, shape, layout, on_gpu), *gathered, *buffers],
         "end of backward": [*states, *accum, *gathered_end, *buffers, *block],
         "optimizer step": [*states, temp],
     }
