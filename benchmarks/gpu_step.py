@@ -21,13 +21,15 @@ With --fsdp a third contender runs each round: the same meshyard job under
 nothing to shard is measured beside ``none`` (target: within 3%). With --tuned another
 runs ``none`` with ``train.compile_tuning = true``: what tuning the compiled kernels gains;
 with --fused-loss another with ``train.fused_linear_loss = true``: what fusing the head and
-the loss gains in tokens/s and in peak memory (on CPU the process's peak resident size).
+the loss gains in tokens/s and in peak memory (on CPU the process's peak resident size);
+with --graphs the plain loop again, compiled with mode 'reduce-overhead': what replaying
+the compiled step as CUDA graphs gains (on CPU nothing is graphed).
 With --profile each meshyard contender also records two of its warmup steps with
 torch.profiler (``metrics.profile_steps``) and the script prints their operator and kernel
 tables (device time first on CUDA) after the figures: where the trainer's step goes.
 
     python benchmarks/gpu_step.py [--rounds 4] [--steps 30] [--warmup 10] [--no-compile] [--fsdp] [--tuned]
-        [--fused-loss] [--profile]
+        [--fused-loss] [--graphs] [--profile]
         [--model gpt2-124m] [--seq-len 1024] [--batch 16] [--vocab 50304] [--out PATH]
 """
 
@@ -161,8 +163,10 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def plain_run(args: argparse.Namespace, device: torch.device, reference_params: int) -> Outcome:
-    """The hand-written loop; wall time over the steady steps."""
+def plain_run(args: argparse.Namespace, device: torch.device, reference_params: int,
+              compile_mode: str = "default") -> Outcome:
+    """The hand-written loop; wall time over the steady steps. ``compile_mode``
+    'reduce-overhead' replays the compiled forward and backward as CUDA graphs."""
     start_memory(device)
     torch.manual_seed(SEED)
     shape = GPT_PRESETS[args.model]
@@ -175,7 +179,7 @@ def plain_run(args: argparse.Namespace, device: torch.device, reference_params: 
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
-    forward = torch.compile(model) if args.compile else model
+    forward = torch.compile(model, mode=compile_mode) if args.compile else model
     data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq_len + 1), device=device)
     inputs, targets = data[..., :-1].contiguous(), data[..., 1:].contiguous()
 
@@ -241,9 +245,10 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, 
     return Outcome(tokens / seconds, first, peak_memory(device), table.read_text() if args.profile else None)
 
 
-# Contender name -> meshyard's parallel.strategy (None: the plain loop) and further overrides.
+# Contender name -> meshyard's parallel.strategy (None: the plain loop) and further overrides
+# (for the plain loop: its torch.compile mode).
 CONTENDERS: dict[str, tuple[str | None, list[str]]] = {
-    "plain": (None, []), "meshyard": ("none", []), "fsdp": ("fsdp", []),
+    "plain": (None, ["default"]), "graphs": (None, ["reduce-overhead"]), "meshyard": ("none", []), "fsdp": ("fsdp", []),
     "tuned": ("none", ["--train.compile_tuning=true"]),
     "fused": ("none", ["--train.fused_linear_loss=true"]),
 }
@@ -269,6 +274,9 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
                         help="also time meshyard with train.compile_tuning = true (what kernel tuning gains)")
     parser.add_argument("--fused-loss", action="store_true",
                         help="also time meshyard with train.fused_linear_loss = true (the head and the loss fused)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time the plain loop compiled with mode='reduce-overhead' (CUDA graphs): what "
+                             "replaying the step as graphs would gain")
     parser.add_argument("--profile", action="store_true",
                         help="print each meshyard contender's torch.profiler table of two warmup steps (round 1)")
     parser.add_argument("--out", type=Path, help="JSON result (default on CUDA: benchmarks/results/gpu-<date>.json)")
@@ -320,12 +328,13 @@ def main() -> None:
 
     if args.contender is not None:
         strategy, extra = CONTENDERS[args.contender]
-        outcome = (plain_run(args, device, reference_params) if strategy is None
+        outcome = (plain_run(args, device, reference_params, *extra) if strategy is None
                    else meshyard_run(args, device, args.run_dir, strategy, extra))
         print(OUTCOME_PREFIX + json.dumps(asdict(outcome)), flush=True)
         return
 
-    names = ["plain", "meshyard"] + ["fsdp"] * args.fsdp + ["tuned"] * args.tuned + ["fused"] * args.fused_loss
+    names = (["plain", "meshyard"] + ["fsdp"] * args.fsdp + ["tuned"] * args.tuned + ["fused"] * args.fused_loss
+             + ["graphs"] * args.graphs)
     runs: dict[str, list[Outcome]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
@@ -373,6 +382,9 @@ def main() -> None:
         memory_ratio = summary["fused"]["peak_memory_bytes"] / summary["meshyard"]["peak_memory_bytes"]
         print(f"ratio fused_linear_loss true / false: tokens/s {fused_vs_logits:.4f} (median of rounds), peak memory "
               f"{memory_ratio:.3f}")
+    graphs_vs_plain = median_ratio("graphs", "plain") if args.graphs else None
+    if graphs_vs_plain is not None:
+        print(f"ratio plain with CUDA graphs / plain tokens/s (median of rounds): {graphs_vs_plain:.4f}")
     mfu = summary["meshyard"]["mfu"]
     if cuda:
         met = ratio >= 1.0 and mfu is not None and mfu >= 0.40
@@ -393,6 +405,7 @@ def main() -> None:
                        "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None},
             "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
             "fsdp_vs_none": fsdp_vs_none, "tuned_vs_untuned": tuned_vs_untuned, "fused_vs_logits": fused_vs_logits,
+            "graphs_vs_plain": graphs_vs_plain,
             "contenders": summary,
         }, indent=2) + "\n")
         print(f"wrote {out}")

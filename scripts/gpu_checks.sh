@@ -6,6 +6,7 @@
 #                                       # one decoding step (~7 min)
 #   bash scripts/gpu_checks.sh all 570  # both, in that order, within 570 s: each check's time limit is cut
 #                                       # to what is left, and a check with under 40 s left is skipped
+#   bash scripts/gpu_checks.sh second-first 570  # both, the training step's checks first
 # Figures go to stdout and to $OUT (default /tmp/gpu-checks): one text file per check,
 # JSON figures (fused_loss's at the end of gpu_step.txt), and decode_step's profile (operator
 # tables in decode_step.txt, Chrome traces packed into one archive): 8 files, as many as a device run brings back.
@@ -57,9 +58,10 @@ first() {
 }
 
 second() {
-    echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024; none, fsdp and none with tuned kernels against the plain loop)"
-    t=$(limit 340); (( t )) || { skipped; return; }
-    timeout -k 5 "$t" python3 benchmarks/gpu_step.py --rounds 1 --fsdp --tuned --profile --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
+    echo "== benchmarks/gpu_step.py (GPT-2 124M, bf16, batch 16 x 1024; meshyard plain, with tuned kernels and with the fused loss, and the plain loop with CUDA graphs, against the plain loop)"
+    t=$(limit 360); (( t )) || { skipped; return; }
+    timeout -k 5 "$t" python3 benchmarks/gpu_step.py --rounds 1 --tuned --fused-loss --graphs --profile \
+        --out "$out/gpu_step.json" > "$out/gpu_step.txt" 2>&1
     # The figures (the profile tables follow them in the file), or how the run ended without them.
     if grep -q "^round" "$out/gpu_step.txt"; then sed -n '/^round/,/^wrote/p' "$out/gpu_step.txt"; else tail -15 "$out/gpu_step.txt"; fi
     echo "== benchmarks/fused_loss.py (GPT-2's head and loss, 16 x 1024 tokens, bf16, compiled: train.fused_linear_loss)"
@@ -82,8 +84,9 @@ case "$part" in
 first) first ;;
 second) second ;;
 all) first; second ;;
+second-first) second; first ;;
 *)
-    echo "unknown part '$part': give 'first', 'second' or 'all [SECONDS]'" >&2
+    echo "unknown part '$part': give 'first', 'second', 'all [SECONDS]' or 'second-first [SECONDS]'" >&2
     exit 2
     ;;
 esac

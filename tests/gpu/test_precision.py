@@ -56,3 +56,15 @@ def test_deterministic_cuda_runs_are_bit_identical(make_config, tmp_path):
     first = _deterministic_run(make_config, tmp_path, "first")
     assert len(first) == 5
     assert _deterministic_run(make_config, tmp_path, "second") == first
+
+
+def test_the_fused_head_loss_trains_as_the_logits_do_in_bf16(make_config, tmp_path):
+    """train.fused_linear_loss on CUDA in bf16: blocks of at least 4096 rows there (here
+    fewer tokens than that: one block), losses within bf16's tolerance of the logits' path."""
+    plain = _losses(make_config, tmp_path, "bf16")
+    cfg = make_config("--run.device=cuda", "--precision.dtype=bf16", "--train.steps=8",
+                      "--train.fused_linear_loss=true", f"--run.run_dir={tmp_path / 'fused'}")
+    fused = [record["loss"] for record in meshyard.run(cfg, nproc=1).metrics()]
+    assert len(fused) == 8
+    for step, (reference, value) in enumerate(zip(plain, fused), start=1):
+        assert abs(value - reference) <= BF16_TOLERANCE * abs(reference), (step, reference, value)
