@@ -292,6 +292,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
             setattr(args, key, value)
     if not 1 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 1 and below --steps")
+    if args.graphs and not args.compile:
+        parser.error("--graphs replays the compiled step as CUDA graphs: it needs --compile")
     if args.profile and args.warmup < 3:
         parser.error("--profile records two warmup steps after the first: give --warmup 3 or more")
     return args, device

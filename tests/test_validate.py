@@ -134,3 +134,15 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_worker_starts(tmp_
     assert "no tensor-parallel plan for CharRNN" in proc.stderr and "tensor_parallel_plan(tp_mesh)" in proc.stderr
     assert "Traceback" not in proc.stderr and "run directory" not in proc.stdout + proc.stderr
     assert not runs.exists()
+
+
+def test_a_custom_model_without_the_fused_head_loss_is_refused_before_any_worker_starts():
+    """train.fused_linear_loss asks the model to compute its loss: a builder's model that
+    returns logits is found out on the meta device, named with the fix."""
+    models = Path(__file__).parent / "models" / "user_models.py"
+    [problem] = problems_of(1, f"--model.name={models}:nanogpt", "--data.source=random", "--data.seq_len=16",
+                            "--train.fused_linear_loss=true")
+    assert problem == ("train.fused_linear_loss = true needs a model whose forward computes the loss from its "
+                       "hidden states (meshyard's GPT); NanoGPT returns logits only: set train.fused_linear_loss = "
+                       "false")
+    validate(load_config(None, [f"--model.name={models}:nanogpt", "--data.source=random", "--data.seq_len=16"]), 1)

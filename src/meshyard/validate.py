@@ -42,6 +42,7 @@ from meshyard.fault.failure import describe
 from meshyard.models.gpt import GPT_PRESETS
 from meshyard.checkpoint.init_source import InitSourceError, find_source, kind_problem
 from meshyard.models.hf_auto import HF_MODEL, HFModelError
+from meshyard.models.linear_cross_entropy import fused_loss_refusal
 from meshyard.models.registry import MODEL_NAMES, build_model
 from meshyard.parallel.inspect import layout_problems as model_layout_problems
 from meshyard.parallel.layout import Layout
@@ -261,7 +262,7 @@ def _inspects_model(cfg: Config, layout: Layout) -> bool:
     if _is_gpt(cfg.model.name):
         return bool(p.fsdp_units) or dims.cp > 1
     return (bool(p.fsdp_units) or dims.cp > 1 or dims.tp > 1 or dims.pp > 1 or layout.data_parallel == "fsdp"
-            or p.ac != "none")
+            or p.ac != "none" or cfg.train.fused_linear_loss)
 
 
 def _model_problems(cfg: Config, validated: ValidatedLayout) -> list[str]:
@@ -286,9 +287,11 @@ def _model_problems(cfg: Config, validated: ValidatedLayout) -> list[str]:
     # configured size may be too large to allocate here (it is checked against the data later).
     tokens = example_micro_batch(min(validated.batch.micro_batch, layout.microbatches), layout.microbatches,
                                  cfg.data.seq_len)
+    refusal = fused_loss_refusal(model) if cfg.train.fused_linear_loss else None
     with _torch_quiet():
-        return model_layout_problems(model, cfg.parallel, layout.dims, tokens, shape_checked=_is_gpt(m.name),
-                                     seq_len=cfg.data.seq_len)
+        return [*([refusal] if refusal else []),
+                *model_layout_problems(model, cfg.parallel, layout.dims, tokens, shape_checked=_is_gpt(m.name),
+                                       seq_len=cfg.data.seq_len)]
 
 
 @contextmanager

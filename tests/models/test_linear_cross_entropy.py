@@ -147,3 +147,61 @@ def test_on_a_gpu_in_bf16_several_blocks_match_the_logits_path():
     loss.backward()
     torch.testing.assert_close(hidden.grad.double().cpu(), expected_hidden, rtol=2e-2, atol=1e-6)
     torch.testing.assert_close(weight.grad.double().cpu(), expected_weight, rtol=2e-2, atol=1e-5)
+
+
+def test_fp16_weight_gradient_of_a_frequent_target_and_a_large_feature_stays_finite():
+    """4096 rows with the same target and a feature of 20: the weight gradient's sum over
+    them passes fp16's largest value (65504) before the mean divides it, so it is summed in fp32."""
+    rows, width, vocab = 4096, 8, 64
+    hidden = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+    hidden[:, 0] = 20.0
+    hidden.requires_grad_()
+    weight = (0.1 * torch.randn(vocab, width, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    targets = torch.full((rows,), 3)
+    _, expected_hidden, expected_weight = _reference(hidden, weight, targets)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = linear_cross_entropy(hidden, weight, targets, rows_per_block=rows)
+    loss.backward()
+    assert weight.grad.isfinite().all()
+    torch.testing.assert_close(weight.grad.double(), expected_weight, rtol=2e-2, atol=1e-4)
+
+
+def test_no_rows_give_nan_and_a_non_finite_logit_of_an_ignored_row_counts_for_nothing():
+    hidden, weight = torch.zeros(0, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)
+    empty = linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    assert empty.isnan() and F.cross_entropy(hidden @ weight.t(), torch.zeros(0, dtype=torch.long)).isnan()
+    hidden, weight, targets = _inputs(rows=20)
+    hidden = hidden.detach().clone()
+    hidden[3] = float("inf")  # row 3 is ignored (IGNORE_INDEX)
+    hidden.requires_grad_()
+    loss = linear_cross_entropy(hidden, weight, targets, rows_per_block=7)
+    loss.backward()
+    expected = F.cross_entropy(hidden.detach() @ weight.detach().t(), targets, ignore_index=IGNORE_INDEX)
+    assert loss.isfinite() and torch.allclose(loss, expected)  # the row is left out, as PyTorch leaves it
+    assert hidden.grad.isfinite().all() and not hidden.grad[3].any()
+
+
+def test_a_frozen_head_gets_no_gradient_and_none_is_computed_for_it():
+    hidden, weight, targets = _inputs()
+    weight.requires_grad_(False)
+    loss = linear_cross_entropy(hidden, weight, targets, rows_per_block=16)
+    assert [t.numel() for t in loss.grad_fn.saved_tensors] == [hidden.numel(), 0]
+    loss.backward()
+    assert weight.grad is None and hidden.grad is not None
+
+
+def test_a_second_backward_of_the_same_graph_is_refused_not_scaled_twice():
+    hidden, weight, targets = _inputs()
+    loss = linear_cross_entropy(hidden, weight, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_gpt_refuses_targets_it_cannot_pair_with_its_tokens():
+    model = GPT(GPTShape(vocab_size=11, context_length=8, n_layer=1, n_head=1, d_model=8))
+    tokens = torch.randint(0, 11, (2, 8))
+    with pytest.raises(ValueError, match=r"targets of shape \(2, 7\) for tokens of shape \(2, 8\)"):
+        model(tokens, targets=tokens[:, 1:])
+    with pytest.raises(ValueError, match="with a KV cache"):
+        model(tokens, cache=model.init_kv_cache(2), targets=tokens)

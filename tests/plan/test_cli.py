@@ -61,7 +61,9 @@ def test_a_config_with_the_fused_loss_is_planned_with_it(tmp_path, capsys):
     assert "the fused loss does not combine with tp=2" in out
     assert "--train.fused_linear_loss=true" in out.split("Run #1 with:")[1]
     assert _run("--config", str(cfg), "--gpus", "2", "--explain", "0", "--fused-loss", "off") == 0
-    assert "fused" not in capsys.readouterr().out
+    table, run = capsys.readouterr().out.split("Run #1 with:")
+    assert "fused" not in table
+    assert "--train.fused_linear_loss=false" in run  # the plan's choice outvotes the config's
 
 
 @pytest.mark.parametrize("argv, planned", [

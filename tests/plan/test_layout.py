@@ -52,7 +52,6 @@ def test_a_planned_layout_reads_and_runs_as_the_config_names_it(strategy, world_
     assert checked.batch.micro_batch == layout.micro_batch and checked.batch.grad_accum == layout.grad_accum
 
 
-
 def test_a_fused_loss_layout_runs_with_it_and_its_config_plans_back_with_it(tmp_path):
     """``fused_loss`` is ``train.fused_linear_loss``: in the settings ``plan`` prints, and
     from a config back to the planner's layout (``meshyard place``)."""

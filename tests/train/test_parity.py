@@ -47,6 +47,7 @@ TWO_RANKS = {
     "ddp-accumulation": ["--parallel.strategy=ddp", "--train.micro_batch=2"],
     # The head and the loss fused (train.fused_linear_loss): the root's gathered head weight.
     "fsdp-zero3-fused-loss": ["--parallel.strategy=fsdp", "--train.fused_linear_loss=true"],
+    "ddp-fused-loss": ["--parallel.strategy=ddp", "--train.fused_linear_loss=true"],
 }
 
 

@@ -184,6 +184,10 @@ class GPT(nn.Module):
         of the logits (``fuses_head_loss``). With ``cache``: the new tokens of each row, appended
         to its slot (or written at ``positions``), attending to what the slot holds (see
         ``models.kv_cache``)."""
+        if targets is not None and (cache is not None or targets.shape != tokens.shape):
+            raise ValueError(f"targets of shape {tuple(targets.shape)} for tokens of shape {tuple(tokens.shape)}"
+                             f"{' with a KV cache' if cache is not None else ''}: the loss is computed for whole "
+                             "sequences from position 0 (training), one target per token")
         if cache is not None:
             with planless_attention(cache.device):
                 return self._forward_cached(tokens, cache, slots, positions)

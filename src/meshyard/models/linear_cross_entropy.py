@@ -23,6 +23,7 @@ the compute dtype where the weight is wider (``BLOCK_LOGIT_BYTES``, measured on 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
 """Targets with this value count for nothing, as in ``F.cross_entropy``."""
@@ -42,6 +43,15 @@ byte of memory traffic; 4096 rows keep the sums near a tenth). On a CPU the memo
 scarcer resource, and an fp32 sum happens inside the matmul."""
 
 
+def fused_loss_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot train with ``train.fused_linear_loss`` (None: it can): its forward
+    must take ``targets`` and return the loss (a ``fuses_head_loss`` model, meshyard's GPT)."""
+    if getattr(model, "fuses_head_loss", False):
+        return None
+    return (f"train.fused_linear_loss = true needs a model whose forward computes the loss from its hidden states "
+            f"(meshyard's GPT); {type(model).__name__} returns logits only: set train.fused_linear_loss = false")
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          rows_per_block: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits ``hidden @ weight.T`` (hidden: (rows, width), weight:
@@ -57,28 +67,34 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         weight_c = weight.to(compute)
         losses = [_block(hidden[rows_of].to(compute), weight_c, safe_targets[rows_of], counted[rows_of])[0]
                   for rows_of in _blocks(hidden.shape[0], rows)]
-        return torch.cat(losses).sum() / count
+        return _mean(losses, count)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """The loss of ``linear_cross_entropy`` with its gradients computed in the forward."""
+    """The loss of ``linear_cross_entropy`` with its gradients computed in the forward (those
+    of the inputs that need one)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
                 compute: torch.dtype) -> torch.Tensor:
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
             counted, safe_targets, count = _counted(targets)
             weight_c = weight.to(compute)
             losses = []
-            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_hidden = torch.empty(hidden.shape if want_hidden else (0,), dtype=torch.float32,
+                                      device=hidden.device)
+            grad_weight = torch.zeros(weight.shape if want_weight else (0,), dtype=torch.float32,
+                                      device=weight.device)
             for rows_of in _blocks(hidden.shape[0], rows):
                 hidden_block = hidden[rows_of].to(compute)
                 loss, grad_logits = _block(hidden_block, weight_c, safe_targets[rows_of], counted[rows_of],
                                            with_grad=True)
                 losses.append(loss)
-                grad_hidden[rows_of] = grad_logits @ weight_c
-                _accumulate(grad_weight, grad_logits.t(), hidden_block)
+                if want_hidden:
+                    grad_hidden[rows_of] = grad_logits @ weight_c
+                if want_weight:
+                    _accumulate(grad_weight, grad_logits.t(), hidden_block)
                 del grad_logits, hidden_block  # before the next block's logits exist
             # The mean's 1 / count is applied in fp32, after the matmuls: folded into their
             # fp16 inputs it would flush most softmax gradients to zero (a GradScaler scales
@@ -86,40 +102,57 @@ class LinearCrossEntropy(torch.autograd.Function):
             per_row = 1.0 / count.clamp(min=1)
             ctx.save_for_backward(grad_hidden.mul_(per_row), grad_weight.mul_(per_row))
             ctx.dtypes = hidden.dtype, weight.dtype
-            return torch.cat(losses).sum() / count
+            return _mean(losses, count)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Scaled in place: a second copy of the (vocabulary x width) gradient would raise the
+        # step's peak (a second backward of the same graph is refused by autograd's check of
+        # the saved tensors, never given twice-scaled gradients).
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
         scale = grad_loss.float()
-        return (grad_hidden * scale).to(hidden_dtype), (grad_weight * scale).to(weight_dtype), None, None, None
+        return (grad_hidden.mul_(scale).to(hidden_dtype) if want_hidden else None,
+                grad_weight.mul_(scale).to(weight_dtype) if want_weight else None, None, None, None)
 
 
 def _block(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor,
            with_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One block's per-row losses (fp32, 0 on ignored rows) and, ``with_grad``, the gradient
-    of their sum with respect to the block's logits (softmax less one-hot, 0 on ignored rows),
-    in the compute dtype."""
+    """One block's per-row losses (fp32, 0 on ignored rows whatever their logits) and,
+    ``with_grad``, the gradient of their sum with respect to the block's logits (softmax less
+    one-hot, 0 on ignored rows), in the compute dtype."""
     logits = (hidden @ weight.t()).float()
     lse = torch.logsumexp(logits, dim=-1)
-    losses = (lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1)) * counted
+    losses = torch.where(counted, lse - logits.gather(1, targets.unsqueeze(1)).squeeze(1), 0.0)
     if not with_grad:
         return losses, None
     # The softmax in place of the logits, less the one-hot target, zero on ignored rows: no
     # second block-sized fp32 tensor.
     grad = logits.sub_(lse.unsqueeze(1)).exp_()
     grad.scatter_add_(1, targets.unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
-    return losses, grad.mul_(counted.unsqueeze(1)).to(hidden.dtype)
+    return losses, grad.masked_fill_(~counted.unsqueeze(1), 0.0).to(hidden.dtype)
 
 
 def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """``total += left @ right`` into fp32 ``total``: in the matmul itself when it runs in
-    fp32, else by one mixed-dtype add (no fp32 copy of the product first)."""
-    if left.dtype == total.dtype:
+    fp32; else by one mixed-dtype add of a bf16 product (no fp32 copy of it first); in fp32
+    for fp16, whose product of up to thousands of rows (a frequent target, a large feature)
+    can pass fp16's largest value before any scaling, which a GradScaler cannot undo."""
+    if left.dtype == torch.float16:
+        total.addmm_(left.float(), right.float())
+    elif left.dtype == total.dtype:
         total.addmm_(left, right)
     else:
         total.add_(left @ right)
+
+
+def _mean(losses: list[torch.Tensor], count: torch.Tensor) -> torch.Tensor:
+    """The mean of the blocks' per-row losses over the counted rows (NaN when none counts,
+    as PyTorch's, also for no rows at all)."""
+    total = torch.cat(losses).sum() if losses else count.new_zeros(())
+    return total / count
 
 
 def _counted(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

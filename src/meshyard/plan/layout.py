@@ -198,7 +198,8 @@ class PlannedLayout:
 
     def config_overrides(self) -> list[str]:
         """The settings that run this layout, as ``meshyard run`` takes them: the inverse of
-        ``planner_strategy`` plus degrees, batch shape and memory savers."""
+        ``planner_strategy`` plus degrees, batch shape and memory savers (the fused loss on
+        or off)."""
         fsdp = self.strategy in ("fsdp2", "fsdp3", "hsdp")
         overrides = [f"--parallel.strategy={'fsdp' if fsdp else self.strategy}"]
         if self.strategy == "fsdp2":
@@ -217,8 +218,9 @@ class PlannedLayout:
             overrides.append(f"--parallel.ac={self.ac}")
         if self.offload:
             overrides.append("--parallel.cpu_offload=true")
-        if self.fused_loss:
-            overrides.append("--train.fused_linear_loss=true")
+        # Stated either way: a config that sets it must not outvote the plan (the fused loss
+        # under tp or pp would be refused).
+        overrides.append(f"--train.fused_linear_loss={'true' if self.fused_loss else 'false'}")
         return [*overrides, f"--train.global_batch={self.global_batch}", f"--train.micro_batch={self.micro_batch}",
                 f"--data.seq_len={self.seq_len}"]
 

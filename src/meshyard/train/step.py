@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_con
 from meshyard.config.load import ConfigError
 from meshyard.fault.failure import first_line
 from meshyard.metrics.timing import NullStepTimer, StepTimer
+from meshyard.models.linear_cross_entropy import fused_loss_refusal
 from meshyard.models.local_part import local_part
 from meshyard.models.outputs import logits_of
 from meshyard.parallel.compile import Compilation, compile_errors, compiled_graphs
@@ -96,10 +97,9 @@ class MicroBatchStep:
                  fused_loss: bool = False) -> None:
         self.model = model
         # train.fused_linear_loss: the model's forward takes the targets and returns the loss.
-        if fused_loss and not getattr(unwrap(model), "fuses_head_loss", False):
-            raise ConfigError([f"train.fused_linear_loss = true needs a model whose forward computes the loss from "
-                               f"its hidden states (meshyard's GPT); {type(unwrap(model)).__name__} returns logits "
-                               "only: set train.fused_linear_loss = false"])
+        refusal = fused_loss_refusal(unwrap(model)) if fused_loss else None
+        if refusal is not None:  # validate's check on the meta device, where the builder runs there
+            raise ConfigError([refusal])
         self.fused_loss = fused_loss
         self.precision = precision
         self.device = device
