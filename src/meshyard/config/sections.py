@@ -146,10 +146,11 @@ class TrainConfig:
         "as long (GPT-2 124M on an H100: 72 s against 32 s to the first step). No effect when nothing compiles.")
     fused_linear_loss: bool = option(
         False, "Compute the output head and the cross-entropy together, a block of tokens at a time, so the (tokens "
-        "x vocabulary) logits never exist whole: the loss's peak memory falls from three logit-sized fp32 tensors "
-        "to one block's and the output weight's gradient (see meshyard.models.linear_cross_entropy). The same "
-        "losses and gradients within rounding. meshyard's GPT models; not with parallel.tp > 1 (the head is split "
-        "over the vocabulary there) or parallel.pp > 1.")
+        "x vocabulary) logits never exist whole: the loss holds one block's logits and fp32 gradients of the hidden "
+        "states and the head's weight instead of three logit-sized fp32 tensors (see "
+        "meshyard.models.linear_cross_entropy; 'meshyard plan' counts it). The same losses and gradients within "
+        "rounding; the step breakdown counts the head's gradient in the forward. meshyard's GPT models; not with "
+        "parallel.tp > 1 (the head is split over the vocabulary there) or parallel.pp > 1.")
 
 
 @dataclass

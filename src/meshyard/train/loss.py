@@ -12,7 +12,9 @@ exists there either, and one fused kernel beats the chunk loop (on an H100, GPT-
 16 x 1024 tokens: 1.2 ms per step against 4.1 ms for the traced chunks, whose block writes
 become a copy of the whole gradient). fp32 logits (the CPU default) take PyTorch's own
 cross-entropy unchanged, and vocabulary-split logits under tensor parallelism take it too,
-inside loss_parallel().
+inside loss_parallel(). With ``train.fused_linear_loss`` no logits reach this module: the
+model computes its loss with the head (``meshyard.models.linear_cross_entropy``), and only
+context parallelism's sum over the ranks (``split_sequence_mean``) is taken here.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class MicroBatchStep:
         self.model = model
         # train.fused_linear_loss: the model's forward takes the targets and returns the loss.
         refusal = fused_loss_refusal(unwrap(model)) if fused_loss else None
-        if refusal is not None:  # validate's check on the meta device, where the builder runs there
+        if refusal is not None:  # validate refuses it first wherever the builder runs on the meta device
             raise ConfigError([refusal])
         self.fused_loss = fused_loss
         self.precision = precision
