@@ -169,3 +169,16 @@ def test_garbage_collection_pauses_are_named(tmp_path, pauses, named):
         assert "garbage collector ran" in found[0].evidence[0] and "longest pause" in found[0].evidence[1]
         assert any("NumPy arrays" in line for line in found[0].advice)
         assert any("data.num_workers" in line for line in found[0].advice)
+
+
+@pytest.mark.parametrize("config, advised", [
+    ("", True),  # meshyard's GPT (the default model) on one whole head
+    ('[train]\nfused_linear_loss = true\n', False),  # already on
+    ('[parallel]\ntp = 2\n', False),  # a vocabulary-split head
+    ('[model]\nname = "mlp"\n', False),  # logits only
+])
+def test_a_memory_bound_run_is_advised_the_fused_loss_where_it_can_take_it(tmp_path, config, advised):
+    run_dir = fake_run(tmp_path, memory=0.95)
+    (run_dir / "config.toml").write_text(config)
+    [finding] = [f for f in diagnose(run_dir).findings if f.verdict == "memory-bound"]
+    assert any("train.fused_linear_loss = true" in line for line in finding.advice) == advised

@@ -36,7 +36,7 @@ def field_problems(cfg: Config) -> list[str]:
         *_comm_problems(cfg.comm, cfg.parallel),
         *_combination_problems(cfg.parallel, cfg.comm, cfg.data),
         *_moe_problems(cfg.model),
-        *_fused_loss_problems(cfg.train, cfg.model, cfg.parallel),
+        *fused_loss_problems(cfg.train, cfg.model, cfg.parallel),
         *_expert_parallel_problems(cfg.model, cfg.parallel),
         *_precision_problems(cfg.precision),
         *_checkpoint_problems(cfg.checkpoint),
@@ -271,9 +271,10 @@ def _context_parallel_problems(p: ParallelConfig, d: DataConfig) -> list[str]:
     ])
 
 
-def _fused_loss_problems(t: TrainConfig, m: ModelConfig, p: ParallelConfig) -> list[str]:
+def fused_loss_problems(t: TrainConfig, m: ModelConfig, p: ParallelConfig) -> list[str]:
     """``train.fused_linear_loss`` needs a model whose forward computes the loss from its
-    hidden states (meshyard's GPT) and a whole head on each rank."""
+    hidden states (meshyard's GPT) and a whole head on each rank (a builder's model is
+    checked when it is built)."""
     if not t.fused_linear_loss:
         return []
     return _failed([

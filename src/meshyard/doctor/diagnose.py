@@ -18,11 +18,13 @@ stalls, exposed communication) as shares of the paid time.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshyard.config.checks import fused_loss_problems
 from meshyard.config.load import load_config
 from meshyard.config.sections import (CommConfig, Config, DataConfig, MetricsConfig, ModelConfig, ParallelConfig,
                                       PrecisionConfig, TrainConfig)
@@ -30,6 +32,7 @@ from meshyard.errors import BadInput
 from meshyard.metrics.records import read_metrics
 from meshyard.metrics.schema import PHASES, phase_key
 from meshyard.metrics.waste import Waste, find_waste
+from meshyard.plugins import is_custom_reference
 from meshyard.run_dir import RunDir
 from meshyard.runtime.hosts import host_of, rank_on_host
 
@@ -156,7 +159,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     steady = steady_records(records)
     findings = [f for f in (_straggler(ev, config.metrics, config.data), _data(ev, config.data, config.metrics),
                             _comm(ev, config.train, config.parallel, config.comm, config.metrics, facts),
-                            _memory(ev, config.train), _compute(ev, config.train, config.precision),
+                            _memory(ev, config), _compute(ev, config.train, config.precision),
                             _expert_load(steady, config.model, config.parallel),
                             _collector(steady, ev, config.data)) if f]
     if not findings:
@@ -223,18 +226,31 @@ def _comm(ev: RunEvidence, train: TrainConfig, parallel: ParallelConfig, comm: C
     ], advice)
 
 
-def _memory(ev: RunEvidence, train: TrainConfig) -> Finding | None:
+def _memory(ev: RunEvidence, config: Config) -> Finding | None:
     if ev.memory_fraction is None or ev.memory_fraction < MEMORY_BOUND_FRACTION:
         return None
+    train = config.train
     return Finding("memory-bound", [
         f"peak memory reaches {_pct(ev.memory_fraction)} of capacity (threshold {_pct(MEMORY_BOUND_FRACTION)}): the "
         "allocator is close to failing, and a larger batch will not fit",
     ], [
         "shard model states: parallel.strategy = 'fsdp' (or 'zero1' to shard only the optimizer)",
         "recompute activations in backward: parallel.ac = 'selective' or 'full'",
+        *_fused_loss_advice(config),
         f"halve train.micro_batch (now {train.micro_batch or 'derived'}) and double train.grad_accum: same "
         "global batch, less activation memory",
     ])
+
+
+def _fused_loss_advice(config: Config) -> list[str]:
+    """The fused head and loss, where the run could take it and does not yet."""
+    asked = dataclasses.replace(config.train, fused_linear_loss=True)
+    if (config.train.fused_linear_loss or fused_loss_problems(asked, config.model, config.parallel)
+            or is_custom_reference(config.model.name)):  # a builder's model may return logits only
+        return []
+    return ["compute the output head and the loss together, a block of tokens at a time: train.fused_linear_loss "
+            "= true (the tokens x vocabulary logits, often the largest activation, never exist whole; 'meshyard "
+            "plan --fused-loss on' estimates the saving)"]
 
 
 def _expert_load(steady: list[dict[str, Any]], model: ModelConfig, parallel: ParallelConfig) -> Finding | None:
