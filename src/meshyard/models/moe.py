@@ -176,12 +176,16 @@ class MoEFeedForward(nn.Module):
         token_of = order // top_k
         expert_out = self.experts(flat[token_of], kept_counts)
         expert_out = expert_out * weights.reshape(-1)[order].unsqueeze(-1)
-        combined = torch.zeros_like(flat).index_add(0, token_of, expert_out)
+        # Made in x's shape and filled through a flat view: the module returns the tensor
+        # itself, not a view of one (FSDP2, which wraps this module under expert parallelism,
+        # warns of every forward that returns a view).
+        combined = torch.zeros_like(x)
+        combined.view(-1, x.shape[-1]).index_add_(0, token_of, expert_out)
         if self.shared is not None:
-            combined = combined + self.shared(flat)
+            combined = combined + self.shared(x)
         balance = balance_loss(counts, mean_probs)
         self.last_routing = Routing(balance, z_loss, counts.detach(), dropped.detach())
-        return combined.reshape(x.shape)
+        return combined
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
