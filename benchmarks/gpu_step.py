@@ -59,6 +59,7 @@ from meshyard.config.load import load_config
 from meshyard.metrics.throughput import catalog_peak, measured_cpu_peak, training_flops_per_token
 from meshyard.models.gpt import GPT as MeshyardGPT
 from meshyard.models.gpt import GPT_PRESETS, GPTShape
+from meshyard.run_dir import RunDir
 
 # Defaults per device: GPT-2 small at its real size on a GPU, a toy that a 2-core CPU runs
 # in seconds elsewhere.
@@ -241,7 +242,7 @@ def meshyard_run(args: argparse.Namespace, device: torch.device, run_dir: Path, 
     seconds = records[-1]["time"] - records[args.warmup - 1]["time"]
     tokens = (args.steps - args.warmup) * args.batch * args.seq_len
     first = sum(r["step_time_s"] for r in records[: args.warmup])
-    table = run_dir / "profile" / "rank-0.txt"
+    table = RunDir(result.run_dir).profile / "rank-0.txt"
     return Outcome(tokens / seconds, first, peak_memory(device), table.read_text() if args.profile else None)
 
 

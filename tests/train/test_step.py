@@ -66,8 +66,8 @@ def _relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
 
 def test_a_model_that_returns_only_logits_is_refused_in_one_paragraph():
     with pytest.raises(ConfigError) as caught:
-        MicroBatchStep(nanogpt(vocab_size=53, context_length=12), build_precision(torch.float32, CPU, False, False), CPU,
-                       fused_loss=True)
+        precision = build_precision(torch.float32, CPU, False, False)
+        MicroBatchStep(nanogpt(vocab_size=53, context_length=12), precision, CPU, fused_loss=True)
     [problem] = caught.value.problems
     assert problem.startswith("train.fused_linear_loss = true needs a model whose forward computes the loss")
     assert "NanoGPT returns logits only: set train.fused_linear_loss = false" in problem

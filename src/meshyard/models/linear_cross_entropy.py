@@ -29,18 +29,19 @@ IGNORE_INDEX = -100
 """Targets with this value count for nothing, as in ``F.cross_entropy``."""
 
 BLOCK_ELEMENTS = 1 << 25
-"""Logit values per block: 64 MB in bf16, 128 MB in fp32, whatever the vocabulary..."""
-
-BLOCK_LOGIT_BYTES = 8
-"""Bytes a block's logit holds at the forward's peak, in fp32, bf16 and fp16 alike (see above)."""
+"""Logit values per block: 64 MB in bf16, 128 MB in fp32, whatever the vocabulary (the
+unfused loss's blocks too, ``meshyard.train.loss``)..."""
 
 GPU_MIN_BLOCK_ROWS = 4096
-"""...but on a GPU no fewer rows than this per block. The weight's gradient is summed over
+"""...but on a GPU the fused loss takes no fewer rows than this per block. The weight's gradient is summed over
 the blocks, each adding a (vocabulary x width) product into the fp32 total: about 10 bytes
 moved per weight element against 6 x rows FLOPs of the block's three matmuls, so with too
 few rows the sums cost a large share of the matmuls' time (an H100 does ~300 bf16 FLOPs per
 byte of memory traffic; 4096 rows keep the sums near a tenth). On a CPU the memory is the
 scarcer resource, and an fp32 sum happens inside the matmul."""
+
+BLOCK_LOGIT_BYTES = 8
+"""Bytes a block's logit holds at the forward's peak, in fp32, bf16 and fp16 alike (see above)."""
 
 
 def fused_loss_refusal(model: torch.nn.Module) -> str | None:
@@ -63,7 +64,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(hidden, weight, targets, rows, compute)
     with torch.autocast(hidden.device.type, enabled=False):
-        counted, safe_targets, count = _counted(targets)
+        counted, safe_targets, count = counted_targets(targets)
         weight_c = weight.to(compute)
         losses = [_block(hidden[rows_of].to(compute), weight_c, safe_targets[rows_of], counted[rows_of])[0]
                   for rows_of in _blocks(hidden.shape[0], rows)]
@@ -79,7 +80,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 compute: torch.dtype) -> torch.Tensor:
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
-            counted, safe_targets, count = _counted(targets)
+            counted, safe_targets, count = counted_targets(targets)
             weight_c = weight.to(compute)
             losses = []
             grad_hidden = torch.empty(hidden.shape if want_hidden else (0,), dtype=torch.float32,
@@ -155,7 +156,7 @@ def _mean(losses: list[torch.Tensor], count: torch.Tensor) -> torch.Tensor:
     return total / count
 
 
-def _counted(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def counted_targets(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows that count, targets with ignored rows pointing at 0, how many count as fp32): a
     tensor count, so that nothing waits for the device."""
     counted = targets != IGNORE_INDEX

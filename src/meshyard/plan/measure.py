@@ -76,11 +76,10 @@ class MemoryProbe:
 
 @dataclass(frozen=True)
 class MeasuredPeak:
-    """Peak live bytes of one rank, and what was alive when its steps ended."""
+    """Peak live bytes of one rank over the building of its model and its steps."""
 
     rank: int
     peak_bytes: int
-    final_bytes: int
 
 
 def _free_port() -> int:
@@ -152,8 +151,8 @@ def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
     generator = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, probe.vocab_size, (probe.micro_batch, probe.seq_len + 1), generator=generator)
                for _ in range(probe.steps)]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        marker = torch.empty(1)  # first event: the allocator's total before the model exists
+
+    def train() -> object:
         model, zero1 = _parallelize(GPT(probe.shape()), probe)
         optimizer = build_optimizer(unwrap(model), OptimConfig(), 1e-3, shard_group=dist.group.WORLD if zero1 else None)
         for tokens in batches:
@@ -162,12 +161,10 @@ def _run_steps(probe: MemoryProbe, rank: int) -> MeasuredPeak:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        del marker
-    events = _allocator_events(prof)
-    _, marker_bytes, after_marker = events[0]
-    baseline = after_marker - marker_bytes
-    peak = max(total for _, _, total in events) - baseline
-    return MeasuredPeak(rank=rank, peak_bytes=int(peak), final_bytes=int(events[-1][2] - baseline))
+        return model, optimizer
+
+    # From before the model exists to the end of its steps.
+    return MeasuredPeak(rank=rank, peak_bytes=measure_call_peak(train))
 
 
 def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fused: bool) -> torch.Tensor:

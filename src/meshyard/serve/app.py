@@ -117,10 +117,11 @@ class Server:
     def _continuous_cache(self, engine: Engine) -> tuple[bool, int | None]:
         """Whether ``engine`` batches continuously, and then the bytes of the KV cache it keeps
         (None where they cannot be sized, and when it batches dynamically). Continuously: a
-        model with a KV cache, asked for, or with ``auto`` on a CUDA device where that cache takes at most ``AUTO_KV_SHARE`` of the
-        device's memory (a long context times ``max_batch_size`` sequences can take more than
-        the device has, where a dynamic batch's cache is sized to its own requests). Each model
-        is judged alone: several on one device share it through ``memory_budget_bytes``."""
+        model with a KV cache, asked for, or with ``auto`` on a CUDA device where that cache
+        takes at most ``AUTO_KV_SHARE`` of the device's memory (a long context times
+        ``max_batch_size`` sequences can take more than the device has, where a dynamic
+        batch's cache is sized to its own requests). Each model is judged alone: several on
+        one device share it through ``memory_budget_bytes``."""
         if not _has_kv_cache(engine) or self.cfg.scheduler == "dynamic":
             return False, None
         if self.cfg.scheduler == "auto" and not _on_cuda(engine):

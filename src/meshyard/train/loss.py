@@ -24,11 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from meshyard.models.linear_cross_entropy import IGNORE_INDEX
-
-
-CHUNK_ELEMENTS = 1 << 25
-"""Logit values per block: 128 MB in fp32, whatever the vocabulary."""
+from meshyard.models.linear_cross_entropy import BLOCK_ELEMENTS, IGNORE_INDEX, counted_targets
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -72,9 +68,9 @@ def split_sequence_mean(local_mean: torch.Tensor, targets: torch.Tensor, group: 
 def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                           rows_per_chunk: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of 2-D ``logits`` (rows, vocabulary) against 1-D ``targets``, in
-    fp32 arithmetic, ``rows_per_chunk`` rows at a time (by default ``CHUNK_ELEMENTS`` values);
+    fp32 arithmetic, ``rows_per_chunk`` rows at a time (by default ``BLOCK_ELEMENTS`` values);
     the result is fp32 and its gradient has the logits' dtype."""
-    rows = rows_per_chunk or max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    rows = rows_per_chunk or max(1, BLOCK_ELEMENTS // logits.shape[-1])
     with torch.autocast(logits.device.type, enabled=False):  # fp32 by choice, not autocast's
         return ChunkedCrossEntropy.apply(logits, targets, rows)
 
@@ -85,14 +81,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int) -> torch.Tensor:
-        counted = targets != IGNORE_INDEX
-        safe_targets = torch.where(counted, targets, torch.zeros_like(targets))
+        counted, safe_targets, count = counted_targets(targets)  # none counted gives NaN, as PyTorch's
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], rows_per_chunk):
             block = slice(start, start + rows_per_chunk)
             lse[block] = torch.logsumexp(logits[block].float(), dim=-1)
         target_logits = logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1).float()
-        count = counted.sum().float()  # a tensor: no host synchronisation; 0 gives NaN, as PyTorch's
         ctx.save_for_backward(logits, safe_targets, counted, lse, count)
         ctx.rows_per_chunk = rows_per_chunk
         return ((lse - target_logits) * counted).sum() / count
