@@ -49,7 +49,7 @@ def main() -> None:
         table.add_column(name, justify="left" if name in ("probe", "estimated peak at") else "right")
     worst = 0.0
     for probe, ranks in zip(chosen, results):
-        estimate = estimate_memory(describe_gpt(probe.shape()), probe.layout(), foreach=False, on_gpu=False)
+        estimate = estimate_memory(describe_gpt(probe.shape()), probe.layout(), on_gpu=False)
         peak = max(rank.peak_bytes for rank in ranks)
         ratio = estimate.peak_bytes / peak
         worst = max(worst, abs(ratio - 1))

@@ -40,7 +40,7 @@ def measured() -> dict[str, int]:
 
 @pytest.mark.parametrize("probe", PROBES, ids=MemoryProbe.label)
 def test_estimate_within_15_percent_of_measured_peak(probe, measured):
-    estimate = estimate_memory(describe_gpt(probe.shape()), probe.layout(), foreach=False, on_gpu=False)
+    estimate = estimate_memory(describe_gpt(probe.shape()), probe.layout(), on_gpu=False)
     actual = measured[probe.label()]
     assert abs(estimate.peak_bytes - actual) <= TOLERANCE * actual, (
         f"{probe.label()}: estimated {estimate.peak_bytes / 1e6:.2f} MB, measured {actual / 1e6:.2f} MB")

@@ -9,7 +9,8 @@ import pytest
 from meshyard.models.gpt import GPTShape
 from meshyard.plan.layout import PRECISIONS, make_layout
 from meshyard.plan.memory import (
-    activation_bytes_per_layer, estimate_memory, fused_loss_bytes, gathered_items, model_state_items,
+    OPTIMIZER_TEMPORARIES, activation_bytes_per_layer, estimate_memory, fused_loss_bytes, gathered_items,
+    model_state_items, optimizer_temp_bytes,
 )
 from meshyard.plan.model import describe_gpt
 from meshyard.plan.stage import StageShape, block_params_per_rank, in_flight_micro_batches, stage_shapes
@@ -199,3 +200,17 @@ def test_listed_items_add_up_to_the_peak(layout):
     memory = estimate_memory(GPT2, layout)
     assert sum(item.bytes for item in memory.items) == pytest.approx(memory.peak_bytes)
     assert memory.peak_bytes == max(memory.moments.values())
+
+
+def test_optimizer_temporaries_follow_the_step_implementation():
+    """The trainer's fused step updates in place; foreach and the loop need scratch memory,
+    and only the optimizer step's moment holds it."""
+    layout = make_layout("ddp", 1, micro_batch=1, seq_len=8)
+    (shape,) = stage_shapes(GPT2, layout)
+    assert optimizer_temp_bytes(GPT2, shape, layout, "fused") == 0
+    assert optimizer_temp_bytes(GPT2, shape, layout, "foreach") == 4.0 * shape.params
+    assert optimizer_temp_bytes(GPT2, shape, layout, "for-loop") == 2 * 4.0 * GPT2.largest_param
+    moments = {step: estimate_memory(GPT2, layout, optimizer_step=step).moments["optimizer step"]
+               for step in OPTIMIZER_TEMPORARIES}
+    assert moments["foreach"] - moments["fused"] == pytest.approx(4.0 * shape.params)
+    assert moments["for-loop"] - moments["fused"] == pytest.approx(8.0 * GPT2.largest_param)

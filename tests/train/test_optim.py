@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -60,7 +61,7 @@ def test_sgd():
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.5
 
 
-def test_the_step_is_fused_on_accelerators_and_pytorchs_default_on_cpu():
+def test_the_step_is_fused_on_one_device_type_of_floats_and_pytorchs_default_otherwise():
     class OnDevice(torch.Tensor):
         """A parameter that reports another device type (no accelerator here)."""
 
@@ -77,7 +78,56 @@ def test_the_step_is_fused_on_accelerators_and_pytorchs_default_on_cpu():
 
     assert step_implementation([on("cuda"), on("cuda", torch.bfloat16)]) == "fused"
     assert step_implementation([on("cuda"), on("cuda", torch.int64)]) == "foreach"  # fused needs floats
-    assert step_implementation([on("cuda"), on("cpu")]) == "for-loop"
+    assert step_implementation([on("cuda"), on("cpu")]) == "for-loop"  # mixed devices
+    assert step_implementation([on("cpu"), on("cpu", torch.bfloat16)]) == "fused"
+    assert step_implementation([on("cpu"), on("cpu", torch.int64)]) == "for-loop"
+    assert step_implementation([on("meta")]) == "for-loop"
+    # fp16's sharded loss scaler hands the step a one-element inf flag the fused step refuses.
+    assert step_implementation([on("cuda")], sharded_loss_scaling=True) == "foreach"
+    assert step_implementation([on("cpu")], sharded_loss_scaling=True) == "for-loop"
     for name in ("adamw", "sgd"):
         cpu_optimizer = build_optimizer(torch.nn.Linear(2, 2), load_config(None, [f"--optim.name={name}"]).optim, 0.1)
-        assert not cpu_optimizer.defaults["fused"] and cpu_optimizer.defaults["foreach"] is None
+        assert cpu_optimizer.defaults["fused"]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_fused_cpu_step_matches_pytorchs_default_loop(name):
+    """The fused step on CPU is the same update as the loop it replaces, to rounding."""
+    cfg = load_config(None, [f"--optim.name={name}", "--optim.weight_decay=0.1"]).optim
+    torch.manual_seed(0)
+    fused_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    loop_model = copy.deepcopy(fused_model)
+    fused = build_optimizer(fused_model, cfg, 1e-2)
+    loop = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
+    kwargs = {"betas": tuple(cfg.betas), "eps": cfg.eps} if name == "adamw" else {"momentum": cfg.momentum}
+    loop_optimizer = loop(parameter_groups(loop_model, cfg.weight_decay), lr=1e-2, foreach=False, **kwargs)
+    for _ in range(5):
+        batch = torch.randn(32, 8)
+        for model, optimizer in ((fused_model, fused), (loop_model, loop_optimizer)):
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mix_of_plain_tensors_and_dtensors_steps_in_a_loop():
+    """Tensor parallelism without sequence parallelism shards the matrices and leaves the
+    norms plain: the fused step (one call over a list) refuses that mix, the loop takes it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model[0].weight = torch.nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Replicate()]))
+    model[0].bias = torch.nn.Parameter(distribute_tensor(model[0].bias.detach(), mesh, [Replicate()]))
+    parameters = list(model.parameters())
+    assert step_implementation(parameters) == "for-loop"
+    assert step_implementation(parameters[:2]) == "fused"  # all DTensor
+    optimizer = build_optimizer(model, load_config(None, []).optim, 0.1)
+    for param in parameters:
+        param.grad = torch.ones_like(param)
+    optimizer.step()  # the fused step would raise on the mix
+    assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"] is False

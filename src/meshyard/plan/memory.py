@@ -274,33 +274,44 @@ def buffer_items(desc: ModelDescription, shape: StageShape, layout: PlannedLayou
     return items
 
 
-def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: PlannedLayout, foreach: bool) -> float:
+OPTIMIZER_TEMPORARIES = {
+    "fused": "none (in place)",
+    "foreach": "4 B x Psi/N (foreach)",
+    "for-loop": "2 x 4 B x largest parameter",
+}
+"""The optimizer step's scratch memory per implementation (``train.optim.step_implementation``)."""
+
+
+def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: PlannedLayout,
+                         optimizer_step: str) -> float:
     """Scratch memory of the optimizer step.
 
-    torch's foreach AdamW (the GPU default) builds one fp32 temporary per parameter it
-    updates; the single-tensor loop (the CPU default) only two of the largest tensor.
+    The fused step (what the trainer runs wherever the parameters are floats on one device
+    type) updates each parameter in place; torch's foreach AdamW builds one fp32 temporary
+    per parameter it updates; the single-tensor loop only two of the largest tensor.
     """
     local = shape.stored_params(layout.shard_degree, layout.expert_shard_degree) if layout.zero_stage >= 1 \
         else shape.params
-    if layout.offload:
+    if layout.offload or optimizer_step == "fused":
         return 0.0
-    if foreach:
+    if optimizer_step == "foreach":
         return 4.0 * local
     largest = min(desc.largest_param / layout.tp, local) if desc.largest_param else local
     return 2 * 4.0 * largest
 
 
 def estimate_memory(
-    desc: ModelDescription, layout: PlannedLayout, foreach: bool = True, stage: int | None = None,
+    desc: ModelDescription, layout: PlannedLayout, optimizer_step: str = "fused", stage: int | None = None,
     on_gpu: bool = True,
 ) -> MemoryEstimate:
-    """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``; ``foreach``
-    and ``on_gpu`` (both the GPU's defaults) choose the optimizer's temporaries and the fused
-    loss's blocks as the trainer would on a GPU, or on a CPU when false."""
+    """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``.
+    ``optimizer_step`` (a key of ``OPTIMIZER_TEMPORARIES``; the trainer fuses it) chooses the
+    optimizer's temporaries; ``on_gpu`` the fused loss's blocks, as the trainer would on a
+    GPU, or on a CPU when false."""
     shapes = stage_shapes(desc, layout)
     if stage is not None:
-        return _estimate_stage(desc, layout, shapes[stage], foreach, on_gpu)
-    estimates = [_estimate_stage(desc, layout, s, foreach, on_gpu) for s in shapes]
+        return _estimate_stage(desc, layout, shapes[stage], optimizer_step, on_gpu)
+    estimates = [_estimate_stage(desc, layout, s, optimizer_step, on_gpu) for s in shapes]
     return max(estimates, key=lambda e: e.peak_bytes)
 
 
@@ -325,7 +336,7 @@ def _total(items: list[MemoryItem]) -> float:
     return sum(i.bytes for i in items)
 
 
-def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageShape, foreach: bool,
+def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageShape, optimizer_step: str,
                     on_gpu: bool) -> MemoryEstimate:
     states = model_state_items(shape, layout)
     params, grads, optim = states
@@ -336,8 +347,8 @@ def _estimate_stage(desc: ModelDescription, layout: PlannedLayout, shape: StageS
     # ZeRO-2 the gathered blocks have been freed one by one by then.
     block = [block_backward_item(desc, layout)] if shape.layers else []
     gathered_end = gathered if layout.zero_stage != 2 else []
-    temp = MemoryItem("optimizer temporaries", optimizer_temp_bytes(desc, shape, layout, foreach),
-                      "4 B x Psi/N (foreach)" if foreach else "2 x 4 B x largest parameter")
+    temp = MemoryItem("optimizer temporaries", optimizer_temp_bytes(desc, shape, layout, optimizer_step),
+                      OPTIMIZER_TEMPORARIES[optimizer_step])
     lines = {
         "start of backward": [params, *grads_fwd, optim, *accum, *activation_items(desc, shape, layout),
                               *io_items(desc, shape, layout, on_gpu), *gathered, *buffers],

@@ -52,7 +52,6 @@ class PlanRequest:
     headroom: float = 0.1
     """Fraction of device memory kept free (CUDA context, NCCL, fragmentation)."""
     overlap: float = DEFAULT_OVERLAP
-    foreach: bool = True
 
 
 @dataclass(frozen=True)
@@ -284,7 +283,7 @@ def _plan_family(desc: ModelDescription, cluster: Cluster, request: PlanRequest,
             optimizer=request.optimizer, ac=ac, offload=offload, fused_loss=fused_loss,
             sequence_parallel=request.sequence_parallel, pp_schedule=request.pp_schedule, pp_virtual=request.pp_virtual,
         )
-        memory = estimate_memory(desc, layout, foreach=request.foreach)
+        memory = estimate_memory(desc, layout)
         if memory.peak_bytes > usable:
             if closest is None or _saving_key(memory, layout) < _saving_key(*closest):
                 closest = (memory, layout)

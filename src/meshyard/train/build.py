@@ -186,7 +186,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
         global_batch=batch.global_batch, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
         dtype=str(dtype).removeprefix("torch."), peak_lr=scaled_peak_lr(cfg.optim, batch.global_batch),
         optimizer_step=step_implementation([p for group in optimization.optimizer.param_groups
-                                            for p in group["params"]]),
+                                            for p in group["params"]], optimization.precision.sharded_loss_scaling),
         data=data.description, train_samples=data.train_samples, memory_capacity_bytes=meter.memory.capacity,
         tokenizer_file=str(data.tokenizer_file or ""),
         throughput=Throughput(**throughput) if throughput else None, price=cost.price,
@@ -269,10 +269,11 @@ def build_optimization(cfg: Config, parallelized: Parallelized, placement: Place
     layout = placement.layout
     peak_lr = scaled_peak_lr(cfg.optim, placement.batch.global_batch)
     zero_group = placement.mesh["dp_replicate"].get_group() if layout.zero1 else None
-    optimizer = build_optimizer(unwrap(parallelized.model), cfg.optim, peak_lr, zero_group)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     precision = build_precision(dtype, device, sharded_grads=layout.sharded_grads, model_casts=layout.model_casts,
                                 growth_interval=cfg.precision.loss_scale_growth_interval)
+    optimizer = build_optimizer(unwrap(parallelized.model), cfg.optim, peak_lr, zero_group,
+                                precision.sharded_loss_scaling)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     return Optimization(optimizer, scheduler, precision)
 
 

@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from meshyard.config.sections import OptimConfig
@@ -47,29 +48,48 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-FUSED_DEVICE_TYPES = frozenset({"cuda", "xpu"})
-"""Devices where the optimizer step is fused (one kernel for every parameter). Elsewhere
-PyTorch's default stands: on CPU a loop over the parameters, which keeps CPU runs'
-numbers as they were."""
+FUSED_DEVICE_TYPES = frozenset({"cuda", "xpu", "cpu"})
+"""Devices with a fused optimizer step (PyTorch's fused AdamW and SGD kernels: one pass over
+each parameter, in place). On CPU it is what PyTorch's default is not: its default there
+is a loop over the parameters, which on a small model costs as much as a fifth of a step
+(benchmarks/gpu_step.py splits the step)."""
+
+ACCELERATOR_TYPES = frozenset({"cuda", "xpu"})
+"""Devices where PyTorch's own default is the foreach step (one kernel per operation)."""
 
 
-def step_implementation(parameters: list[nn.Parameter]) -> str:
-    """'fused' when every parameter is a floating-point tensor (plain or DTensor: FSDP's
-    shards, TP's pieces) on a device of ``FUSED_DEVICE_TYPES``; otherwise 'foreach' where
-    PyTorch defaults to it (every parameter on an accelerator) and 'for-loop' on CPU."""
-    on_accelerators = bool(parameters) and all(p.device.type in FUSED_DEVICE_TYPES for p in parameters)
-    if on_accelerators and all(p.is_floating_point() for p in parameters):
+def step_implementation(parameters: list[nn.Parameter], sharded_loss_scaling: bool = False) -> str:
+    """'fused' when every parameter is a floating-point tensor on one device type of
+    ``FUSED_DEVICE_TYPES``, all plain or all DTensor (FSDP's shards, TP's pieces); otherwise
+    PyTorch's default: 'foreach' when every parameter is on an accelerator, else 'for-loop'.
+
+    A mix of plain tensors and DTensors (tensor parallelism without sequence parallelism
+    leaves the norms plain) takes the loop: an operation over a list of tensors refuses the
+    mix. Never fused under ``sharded_loss_scaling`` (fp16 with gradients split over ranks):
+    PyTorch's ShardedGradScaler hands the step a one-element inf flag, which the fused
+    step's in-place update of its scalar step counts refuses."""
+    device_types = {p.device.type for p in parameters}
+    kinds = {isinstance(p, DTensor) for p in parameters}
+    if len(kinds) > 1:
+        return "for-loop"
+    fusable = len(device_types) == 1 and device_types <= FUSED_DEVICE_TYPES and not sharded_loss_scaling
+    if fusable and all(p.is_floating_point() for p in parameters):
         return "fused"
-    return "foreach" if on_accelerators else "for-loop"
+    return "foreach" if device_types and device_types <= ACCELERATOR_TYPES else "for-loop"
+
+
+STEP_OPTIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+"""The optimizer's keyword arguments for each ``step_implementation``."""
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, peak_lr: float, shard_group: torch.distributed.ProcessGroup | None = None
+    model: nn.Module, cfg: OptimConfig, peak_lr: float, shard_group: torch.distributed.ProcessGroup | None = None,
+    sharded_loss_scaling: bool = False,
 ) -> torch.optim.Optimizer:
-    """The configured optimizer, fused where ``step_implementation`` says so; with
+    """The configured optimizer, stepping as ``step_implementation`` says; with
     ``shard_group`` its state is sharded over it (ZeRO-1)."""
-    fused = step_implementation([p for p in model.parameters() if p.requires_grad]) == "fused"
-    speed = {"fused": True} if fused else {}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    speed = STEP_OPTIONS[step_implementation(trained, sharded_loss_scaling)]
     if cfg.name == "adamw":
         cls, kwargs = torch.optim.AdamW, {"betas": tuple(cfg.betas), "eps": cfg.eps, **speed}
     else:

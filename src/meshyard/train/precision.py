@@ -31,6 +31,11 @@ class Precision:
     use_autocast: bool
     scaler: GradScaler
 
+    @property
+    def sharded_loss_scaling(self) -> bool:
+        """fp16's loss scaler agreeing on inf/NaN across ranks (gradients split over them)."""
+        return isinstance(self.scaler, ShardedGradScaler) and self.scaler.is_enabled()
+
     def autocast(self) -> ContextManager:
         if not self.use_autocast:
             return contextlib.nullcontext()
