@@ -1,8 +1,10 @@
 """meshyard's single-device training step against the plain PyTorch loop a user would write.
 
 One device: a nanoGPT-style loop written here by hand (its own model classes, AdamW fused
-on CUDA, bf16 autocast on CUDA, torch.compile of the model, clipping at 1.0, ``loss.item()``
-each step, random batches already on the device) and ``meshyard.run`` of a GPT of the same
+on CUDA and PyTorch's default on CPU, a loop over the parameters, where meshyard fuses the
+step (--fused-plain gives the plain loop the fused step there too), bf16 autocast on CUDA,
+torch.compile of the model, clipping at 1.0, ``loss.item()`` each step, random batches
+already on the device) and ``meshyard.run`` of a GPT of the same
 shape (random data, no parallelism, ``train.compile`` as --compile). They alternate for
 --rounds rounds, taking turns to go first, so drift on the machine hits both; each run is a
 fresh process, so neither inherits the other's threads, allocator state or compiled code.
@@ -179,7 +181,8 @@ def plain_run(args: argparse.Namespace, device: torch.device, reference_params: 
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
+    fused = cuda or args.fused_plain
+    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
     forward = torch.compile(model, mode=compile_mode) if args.compile else model
     data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq_len + 1), device=device)
     inputs, targets = data[..., :-1].contiguous(), data[..., 1:].contiguous()
@@ -271,6 +274,9 @@ def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads of both (default: torch's)")
     parser.add_argument("--fsdp", action="store_true", help="also time meshyard under strategy fsdp")
+    parser.add_argument("--fused-plain", action="store_true",
+                        help="on CPU, give the plain loop the fused AdamW step meshyard takes (PyTorch's default "
+                             "there is a loop over the parameters): the ratio is then the framework's own cost")
     parser.add_argument("--tuned", action="store_true",
                         help="also time meshyard with train.compile_tuning = true (what kernel tuning gains)")
     parser.add_argument("--fused-loss", action="store_true",
@@ -365,7 +371,8 @@ def main() -> None:
 
     print(f"\n{device_name}, torch {torch.__version__}: {args.model} (vocab {args.vocab}), batch {args.batch} x "
           f"{args.seq_len} tokens, {str(dtype).removeprefix('torch.')}, compile {'on' if args.compile else 'off'}; "
-          f"{args.rounds} rounds x {args.steps - args.warmup} timed steps after {args.warmup} warmup")
+          f"{args.rounds} rounds x {args.steps - args.warmup} timed steps after {args.warmup} warmup; "
+          f"plain AdamW {'fused' if cuda or args.fused_plain else 'a loop over the parameters'}")
     print(f"{'loop':<10}{'tokens/s':>14}{'MFU':>8}{'peak mem':>11}{'first steps':>13}  (warmup, round 1)")
     for name, row in summary.items():
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
@@ -405,7 +412,8 @@ def main() -> None:
             "device": device_name, "torch": torch.__version__,
             "config": {"model": args.model, "seq_len": args.seq_len, "batch": args.batch, "vocab": args.vocab,
                        "dtype": str(dtype).removeprefix("torch."), "compile": args.compile, "steps": args.steps,
-                       "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None},
+                       "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads if not cuda else None,
+                       "plain_adamw_fused": cuda or args.fused_plain},
             "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
             "fsdp_vs_none": fsdp_vs_none, "tuned_vs_untuned": tuned_vs_untuned, "fused_vs_logits": fused_vs_logits,
             "graphs_vs_plain": graphs_vs_plain,

@@ -118,6 +118,12 @@ def test_two_ranks_match_single_process(two_rank_losses, baseline, layout):
     assert_close(two_rank_losses[layout], baseline)
 
 
+def test_the_baseline_steps_its_optimizer_fused_on_cpu(request):
+    """run.json records the step that ran: fused, also on CPU (train.optim.step_implementation)."""
+    _, facts = single_process_run(request)
+    assert facts["optimizer_step"] == "fused"
+
+
 def test_hsdp_on_four_ranks_matches_single_process(request, baseline):
     """Trained in the session's one spawn of four ranks."""
     [losses] = _fitted_losses(request, 4, "parity: hsdp", 1)
