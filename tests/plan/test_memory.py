@@ -10,7 +10,7 @@ from meshyard.models.gpt import GPTShape
 from meshyard.plan.layout import PRECISIONS, make_layout
 from meshyard.plan.memory import (
     OPTIMIZER_TEMPORARIES, activation_bytes_per_layer, estimate_memory, fused_loss_bytes, gathered_items,
-    model_state_items, optimizer_temp_bytes,
+    model_state_items, optimizer_temp_bytes, planned_optimizer_step,
 )
 from meshyard.plan.model import describe_gpt
 from meshyard.plan.stage import StageShape, block_params_per_rank, in_flight_micro_batches, stage_shapes
@@ -214,3 +214,21 @@ def test_optimizer_temporaries_follow_the_step_implementation():
                for step in OPTIMIZER_TEMPORARIES}
     assert moments["foreach"] - moments["fused"] == pytest.approx(4.0 * shape.params)
     assert moments["for-loop"] - moments["fused"] == pytest.approx(8.0 * GPT2.largest_param)
+
+
+def test_the_planned_optimizer_step_is_the_trainers_choice():
+    """Fused, except where the trainer cannot fuse (train.optim.step_implementation): TP
+    without sequence parallelism mixes plain norms with DTensors (the loop); fp16 with
+    split gradients and SGD over DTensors take PyTorch's default (foreach on a GPU)."""
+    fsdp = make_layout("fsdp3", 2, micro_batch=1, seq_len=8)
+    tp = make_layout("ddp", 2, tp=2, micro_batch=1, seq_len=8)
+    assert planned_optimizer_step(fsdp) == planned_optimizer_step(tp) == "fused"
+    assert planned_optimizer_step(make_layout("ddp", 2, micro_batch=1, seq_len=8, precision=PRECISIONS["fp16"])) \
+        == "fused"  # DDP's gradients are whole on every rank
+    assert planned_optimizer_step(tp.with_(sequence_parallel=False)) == "for-loop"
+    assert planned_optimizer_step(fsdp.with_(precision=PRECISIONS["fp16"])) == "foreach"
+    assert planned_optimizer_step(fsdp.with_(optimizer="sgd")) == "foreach"
+    assert planned_optimizer_step(fsdp.with_(optimizer="sgd"), on_gpu=False) == "for-loop"
+    fp16 = fsdp.with_(precision=PRECISIONS["fp16"])
+    assert estimate_memory(GPT2, fp16).moments["optimizer step"] == \
+        estimate_memory(GPT2, fp16, optimizer_step="foreach").moments["optimizer step"]

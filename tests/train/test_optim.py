@@ -126,6 +126,7 @@ def test_a_mix_of_plain_tensors_and_dtensors_steps_in_a_loop():
     parameters = list(model.parameters())
     assert step_implementation(parameters) == "for-loop"
     assert step_implementation(parameters[:2]) == "fused"  # all DTensor
+    assert step_implementation(parameters[:2], optimizer="sgd") == "for-loop"  # no DTensor rule for fused SGD
     optimizer = build_optimizer(model, load_config(None, []).optim, 0.1)
     for param in parameters:
         param.grad = torch.ones_like(param)

@@ -282,6 +282,20 @@ OPTIMIZER_TEMPORARIES = {
 """The optimizer step's scratch memory per implementation (``train.optim.step_implementation``)."""
 
 
+def planned_optimizer_step(layout: PlannedLayout, on_gpu: bool = True) -> str:
+    """The step the trainer takes for ``layout`` (``train.optim.step_implementation``'s rule,
+    for meshyard's GPT): fused, but the loop where tensor parallelism without sequence
+    parallelism mixes plain norms with DTensors, and PyTorch's default (foreach on a GPU,
+    the loop on a CPU) for fp16 with gradients split over ranks or SGD over DTensors."""
+    dtensors = layout.zero_stage >= 2 or layout.tp > 1
+    if layout.tp > 1 and not layout.sequence_parallel:
+        return "for-loop"
+    sharded_fp16 = layout.precision.name == "fp16" and (dtensors or layout.pp > 1)
+    if sharded_fp16 or (dtensors and layout.optimizer == "sgd"):
+        return "foreach" if on_gpu else "for-loop"
+    return "fused"
+
+
 def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: PlannedLayout,
                          optimizer_step: str) -> float:
     """Scratch memory of the optimizer step.
@@ -301,13 +315,14 @@ def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: Plan
 
 
 def estimate_memory(
-    desc: ModelDescription, layout: PlannedLayout, optimizer_step: str = "fused", stage: int | None = None,
+    desc: ModelDescription, layout: PlannedLayout, optimizer_step: str | None = None, stage: int | None = None,
     on_gpu: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of the busiest pipeline stage (or of ``stage``) for ``layout``.
-    ``optimizer_step`` (a key of ``OPTIMIZER_TEMPORARIES``; the trainer fuses it) chooses the
-    optimizer's temporaries; ``on_gpu`` the fused loss's blocks, as the trainer would on a
-    GPU, or on a CPU when false."""
+    ``optimizer_step`` (a key of ``OPTIMIZER_TEMPORARIES``; by default the trainer's choice,
+    ``planned_optimizer_step``) chooses the optimizer's temporaries; ``on_gpu`` those and the
+    fused loss's blocks, as the trainer would on a GPU, or on a CPU when false."""
+    optimizer_step = optimizer_step or planned_optimizer_step(layout, on_gpu)
     shapes = stage_shapes(desc, layout)
     if stage is not None:
         return _estimate_stage(desc, layout, shapes[stage], optimizer_step, on_gpu)

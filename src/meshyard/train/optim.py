@@ -58,10 +58,17 @@ ACCELERATOR_TYPES = frozenset({"cuda", "xpu"})
 """Devices where PyTorch's own default is the foreach step (one kernel per operation)."""
 
 
-def step_implementation(parameters: list[nn.Parameter], sharded_loss_scaling: bool = False) -> str:
+DTENSOR_FUSED_OPTIMIZERS = frozenset({"adamw"})
+"""Optimizers whose fused step DTensor can run: PyTorch registers sharding strategies for
+the fused Adam and AdamW kernels, not for fused SGD."""
+
+
+def step_implementation(parameters: list[nn.Parameter], sharded_loss_scaling: bool = False,
+                        optimizer: str = "adamw") -> str:
     """'fused' when every parameter is a floating-point tensor on one device type of
-    ``FUSED_DEVICE_TYPES``, all plain or all DTensor (FSDP's shards, TP's pieces); otherwise
-    PyTorch's default: 'foreach' when every parameter is on an accelerator, else 'for-loop'.
+    ``FUSED_DEVICE_TYPES``, all plain or all DTensor (FSDP's shards, TP's pieces; for an
+    optimizer of ``DTENSOR_FUSED_OPTIMIZERS``); otherwise PyTorch's default: 'foreach' when
+    every parameter is on an accelerator, else 'for-loop'.
 
     A mix of plain tensors and DTensors (tensor parallelism without sequence parallelism
     leaves the norms plain) takes the loop: an operation over a list of tensors refuses the
@@ -72,7 +79,8 @@ def step_implementation(parameters: list[nn.Parameter], sharded_loss_scaling: bo
     kinds = {isinstance(p, DTensor) for p in parameters}
     if len(kinds) > 1:
         return "for-loop"
-    fusable = len(device_types) == 1 and device_types <= FUSED_DEVICE_TYPES and not sharded_loss_scaling
+    fusable = (len(device_types) == 1 and device_types <= FUSED_DEVICE_TYPES and not sharded_loss_scaling
+               and (kinds != {True} or optimizer in DTENSOR_FUSED_OPTIMIZERS))
     if fusable and all(p.is_floating_point() for p in parameters):
         return "fused"
     return "foreach" if device_types and device_types <= ACCELERATOR_TYPES else "for-loop"
@@ -89,7 +97,7 @@ def build_optimizer(
     """The configured optimizer, stepping as ``step_implementation`` says; with
     ``shard_group`` its state is sharded over it (ZeRO-1)."""
     trained = [p for p in model.parameters() if p.requires_grad]
-    speed = STEP_OPTIONS[step_implementation(trained, sharded_loss_scaling)]
+    speed = STEP_OPTIONS[step_implementation(trained, sharded_loss_scaling, cfg.name)]
     if cfg.name == "adamw":
         cls, kwargs = torch.optim.AdamW, {"betas": tuple(cfg.betas), "eps": cfg.eps, **speed}
     else:
