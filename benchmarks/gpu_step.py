@@ -25,7 +25,8 @@ runs ``none`` with ``train.compile_tuning = true``: what tuning the compiled ker
 with --fused-loss another with ``train.fused_linear_loss = true``: what fusing the head and
 the loss gains in tokens/s and in peak memory (on CPU the process's peak resident size);
 with --graphs the plain loop again, compiled with mode 'reduce-overhead': what replaying
-the compiled step as CUDA graphs gains (on CPU nothing is graphed).
+the compiled step as CUDA graphs gains (on CPU nothing is graphed), and on CUDA meshyard
+with ``train.cuda_graphs = true``: what the trainer gains from them.
 With --profile each meshyard contender also records two of its warmup steps with
 torch.profiler (``metrics.profile_steps``) and the script prints their operator and kernel
 tables (device time first on CUDA) after the figures: where the trainer's step goes.
@@ -255,6 +256,7 @@ CONTENDERS: dict[str, tuple[str | None, list[str]]] = {
     "plain": (None, ["default"]), "graphs": (None, ["reduce-overhead"]), "meshyard": ("none", []), "fsdp": ("fsdp", []),
     "tuned": ("none", ["--train.compile_tuning=true"]),
     "fused": ("none", ["--train.fused_linear_loss=true"]),
+    "graphed": ("none", ["--train.cuda_graphs=true"]),
 }
 
 
@@ -342,8 +344,9 @@ def main() -> None:
         print(OUTCOME_PREFIX + json.dumps(asdict(outcome)), flush=True)
         return
 
+    graphed = args.graphs and cuda  # train.cuda_graphs needs a CUDA device
     names = (["plain", "meshyard"] + ["fsdp"] * args.fsdp + ["tuned"] * args.tuned + ["fused"] * args.fused_loss
-             + ["graphs"] * args.graphs)
+             + ["graphs"] * args.graphs + ["graphed"] * graphed)
     runs: dict[str, list[Outcome]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
@@ -395,6 +398,12 @@ def main() -> None:
     graphs_vs_plain = median_ratio("graphs", "plain") if args.graphs else None
     if graphs_vs_plain is not None:
         print(f"ratio plain with CUDA graphs / plain tokens/s (median of rounds): {graphs_vs_plain:.4f}")
+    graphed_vs_meshyard = median_ratio("graphed", "meshyard") if graphed else None
+    if graphed_vs_meshyard is not None:
+        graphed_mfu = summary["graphed"]["mfu"]
+        print(f"ratio train.cuda_graphs true / false tokens/s (median of rounds): {graphed_vs_meshyard:.4f}; "
+              f"with graphs / plain {median_ratio('graphed', 'plain'):.4f}, MFU "
+              f"{'n/a' if graphed_mfu is None else f'{graphed_mfu:.1%}'}")
     mfu = summary["meshyard"]["mfu"]
     if cuda:
         met = ratio >= 1.0 and mfu is not None and mfu >= 0.40
@@ -416,7 +425,7 @@ def main() -> None:
                        "plain_adamw_fused": cuda or args.fused_plain},
             "flops_per_token": flops_per_token, "peak_flops": peak, "vs_baseline": ratio, "targets_met": met,
             "fsdp_vs_none": fsdp_vs_none, "tuned_vs_untuned": tuned_vs_untuned, "fused_vs_logits": fused_vs_logits,
-            "graphs_vs_plain": graphs_vs_plain,
+            "graphs_vs_plain": graphs_vs_plain, "graphed_vs_meshyard": graphed_vs_meshyard,
             "contenders": summary,
         }, indent=2) + "\n")
         print(f"wrote {out}")

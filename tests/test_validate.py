@@ -146,3 +146,15 @@ def test_a_custom_model_without_the_fused_head_loss_is_refused_before_any_worker
                        "hidden states (meshyard's GPT); NanoGPT returns logits only: set train.fused_linear_loss = "
                        "false")
     validate(load_config(None, [f"--model.name={models}:nanogpt", "--data.source=random", "--data.seq_len=16"]), 1)
+
+
+def test_cuda_graphs_need_a_compiled_whole_step_of_one_micro_batch_on_cuda():
+    """train.cuda_graphs: each problem named with its fix; one rank, one micro-batch per step passes."""
+    validate(load_config(None, ["--train.cuda_graphs=true", "--train.global_batch=8"]), 1)
+    compile_off, on_cpu = problems_of(1, "--train.cuda_graphs=true", "--train.compile=false", "--run.device=cpu")
+    assert "train.compile = false" in compile_off and "set train.compile = 'auto'" in compile_off
+    assert "run.device = 'cpu'" in on_cpu and "train.cuda_graphs = false" in on_cpu
+    [wrapped] = problems_of(2, "--train.cuda_graphs=true", "--parallel.strategy=ddp", "--train.global_batch=8")
+    assert "strategy 'ddp'" in wrapped and "parallel.strategy = 'none'" in wrapped
+    [accumulated] = problems_of(1, "--train.cuda_graphs=true", "--train.global_batch=8", "--train.micro_batch=4")
+    assert "accumulates 2" in accumulated and "set train.micro_batch = 8" in accumulated

@@ -78,6 +78,7 @@ def validate(cfg: Config, world_size: int, earlier_problems: Iterable[str] = ())
     problems.extend(layout_problems)
     if layout is not None:
         problems.extend(_micro_batch_problems(layout))
+        problems.extend(_cuda_graph_problems(cfg, layout))
     shape_problems = _gpt_shape_problems(cfg) + _init_from_problems(cfg)
     problems.extend(shape_problems)
     if layout is not None and not shape_problems:
@@ -192,6 +193,35 @@ def _micro_batch_problems(checked: ValidatedLayout) -> list[str]:
         return [f"parallel.microbatches = {microbatches} does not divide the {batch.micro_batch} samples "
                 "of each train.micro_batch; each pipeline micro-batch must hold whole samples"]
     return []
+
+
+def _cuda_graph_problems(cfg: Config, checked: ValidatedLayout) -> list[str]:
+    """``train.cuda_graphs`` replays the model-and-loss region, one micro-batch per step."""
+    if not cfg.train.cuda_graphs:
+        return []
+    problems = []
+    if cfg.train.compile is False:
+        problems.append("train.cuda_graphs = true replays the compiled step, but train.compile = false: set "
+                        "train.compile = 'auto' (or true), or train.cuda_graphs = false")
+    if cfg.run.device == "cpu":
+        problems.append("train.cuda_graphs = true needs a CUDA device, but run.device = 'cpu': set run.device = "
+                        "'auto' or 'cuda' on a GPU machine, or train.cuda_graphs = false")
+    if not checked.layout.compiles_whole:
+        dims = checked.dims
+        problems.append(
+            "train.cuda_graphs = true needs the model and its loss compiled as one region, on one rank without "
+            f"a wrapper or a model split; this layout (strategy '{cfg.parallel.strategy}', dp {dims.dp}, tp "
+            f"{dims.tp}, pp {dims.pp}) compiles each block instead: run one rank with parallel.strategy = "
+            "'none', or set train.cuda_graphs = false")
+    if checked.batch.grad_accum > 1:
+        problems.append(
+            f"train.cuda_graphs = true takes one micro-batch per step, but this batch accumulates "
+            f"{checked.batch.grad_accum} (train.global_batch = {checked.batch.global_batch}, micro-batches of "
+            f"{checked.batch.micro_batch}), and gradients that outlive a replay of the graphs (the earlier "
+            "micro-batches' are still being summed) are not supported; set train.micro_batch = "
+            f"{checked.batch.global_batch // checked.batch.dp_size} "
+            "(train.grad_accum = 1), or train.cuda_graphs = false")
+    return problems
 
 
 def _gpt_shape_problems(cfg: Config) -> list[str]:

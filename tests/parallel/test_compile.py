@@ -57,6 +57,9 @@ def test_kernel_tuning_is_an_inductor_option_when_asked(monkeypatch):
     import torch._inductor.config as inductor_config
 
     assert tuned and set(tuned) <= set(inductor_config.get_config_copy())
+    graphed = inductor_options(False, cuda_graphs=True)
+    assert graphed == {"triton.cudagraphs": True} and set(graphed) <= set(inductor_config.get_config_copy())
+    assert inductor_options(True, cuda_graphs=True) == {**tuned, **graphed}
     compilation = Compilation(True, tuned)
     apply_compile(GPT(SHAPE), compilation)
     assert compilation.describe() == "Block x3 (tuned kernels)"

@@ -158,3 +158,18 @@ def test_latest_is_resolved_by_the_launcher_not_here(one_rank, tmp_path):
 
     with pytest.raises(ResumeError, match="run.name"):
         build_trainer(tiny_config(tmp_path, "--parallel.strategy=none"), one_rank, tmp_path / "run", resume="latest")
+
+
+def test_cuda_graphs_without_a_cuda_device_build_a_step_without_them_and_say_so(one_rank, tmp_path, capsys):
+    """train.cuda_graphs with run.device 'auto' on a machine without CUDA (validate refuses an
+    explicit 'cpu'): the model and its loss compile as asked, without graphs, after one line."""
+    cfg = tiny_config(tmp_path, "--train.steps=2", "--parallel.strategy=none", "--train.compile=true",
+                      "--train.cuda_graphs=true")
+    built = build_trainer(cfg, one_rank, tmp_path / "run")
+    try:
+        compilation = built.trainer.runner.compilation
+        assert compilation.enabled and not compilation.graphs
+        assert compilation.describe() == "the model and its loss"
+    finally:
+        built.trainer.close()
+    assert "train.cuda_graphs: no CUDA device (training on cpu)" in capsys.readouterr().out

@@ -71,3 +71,23 @@ def test_a_model_that_returns_only_logits_is_refused_in_one_paragraph():
     [problem] = caught.value.problems
     assert problem.startswith("train.fused_linear_loss = true needs a model whose forward computes the loss")
     assert "NanoGPT returns logits only: set train.fused_linear_loss = false" in problem
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_each_micro_batch_begins_a_step_of_the_cuda_graphs(monkeypatch, cuda_graphs):
+    """With train.cuda_graphs the runner marks each micro-batch as a new step of the graphs
+    (their outputs of the step before may then be overwritten); without, never. The region
+    runs eagerly here (torch.compile stubbed): only the marking is under test."""
+    from meshyard.parallel.compile import Compilation, inductor_options
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    compilation = Compilation(True, inductor_options(False, cuda_graphs))
+    runner = MicroBatchStep(GPT(SHAPE), build_precision(torch.float32, CPU, False, False), CPU,
+                            compilation=compilation, compile_whole=True)
+    assert compilation.graphs == cuda_graphs
+    described = "the model and its loss" + (" (CUDA graphs)" if cuda_graphs else "")
+    assert compilation.describe() == described
+    runner.forward_backward(_batches()[:1])
+    assert len(marks) == cuda_graphs

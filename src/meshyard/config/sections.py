@@ -144,6 +144,12 @@ class TrainConfig:
         False, "Tune the launch of every Triton kernel torch.compile generates (Inductor's coordinate-descent "
         "tuning of block sizes and warps; CUDA): steps may run faster, and the first compile takes about twice "
         "as long (GPT-2 124M on an H100: 72 s against 32 s to the first step). No effect when nothing compiles.")
+    cuda_graphs: bool = option(
+        False, "Replay the compiled forward and backward of the model and its loss as CUDA graphs (torch.compile's "
+        "CUDAGraph trees, what mode 'reduce-overhead' turns on): the GPU no longer idles between kernels while "
+        "the host launches them. Needs a CUDA device, train.compile not false, the model and its loss compiled as "
+        "one region (one rank: no DDP, FSDP, TP or PP) and one micro-batch per step (train.grad_accum = 1). The "
+        "graphs' memory pool comes on top of the eager peak; 'auto' on a machine without CUDA trains without them.")
     fused_linear_loss: bool = option(
         False, "Compute the output head and the cross-entropy together, a block of tokens at a time, so the (tokens "
         "x vocabulary) logits never exist whole: the loss holds one block's logits and fp32 gradients of the hidden "

@@ -28,12 +28,17 @@ def resolve_compile(requested: Any, device: torch.device) -> bool:
     return bool(requested)
 
 
-def inductor_options(tuning: bool) -> dict[str, Any]:
-    """``train.compile_tuning`` as Inductor options: coordinate-descent tuning of each
-    generated Triton kernel's block sizes and warps (the memory-bound kernels around the
-    matmuls: layer norms, GELU, the loss's reductions), at the price of a first compile
-    about twice as long. Off by default: its gain in step time is not yet measured."""
-    return {"coordinate_descent_tuning": True} if tuning else {}
+def inductor_options(tuning: bool, cuda_graphs: bool = False) -> dict[str, Any]:
+    """``train.compile_tuning`` and ``train.cuda_graphs`` as Inductor options.
+
+    Tuning: coordinate-descent tuning of each generated Triton kernel's block sizes and
+    warps (the memory-bound kernels around the matmuls: layer norms, GELU, the loss's
+    reductions), at the price of a first compile about twice as long. Off by default: its
+    gain in step time is not yet measured. CUDA graphs: the compiled forward and backward
+    are recorded once and replayed (CUDAGraph trees, the option mode 'reduce-overhead'
+    sets; ``torch.compile`` takes a mode or options, not both)."""
+    return {**({"coordinate_descent_tuning": True} if tuning else {}),
+            **({"triton.cudagraphs": True} if cuda_graphs else {})}
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:
@@ -65,6 +70,11 @@ class Compilation:
     @property
     def enabled(self) -> bool:
         return bool(self.regions)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the compiled regions replay as CUDA graphs (``train.cuda_graphs``)."""
+        return self.enabled and bool(self.options.get("triton.cudagraphs"))
 
     def revert(self) -> None:
         """Eager again: every compiled forward put back (after a compile failure)."""
@@ -106,7 +116,9 @@ class Compilation:
         for name in self.regions:
             counts[name] = counts.get(name, 0) + 1
         regions = ", ".join(name if n == 1 else f"{name} x{n}" for name, n in counts.items())
-        return f"{regions} (tuned kernels)" if regions and self.options.get("coordinate_descent_tuning") else regions
+        notes = [note for option, note in (("coordinate_descent_tuning", "tuned kernels"),
+                                           ("triton.cudagraphs", "CUDA graphs")) if self.options.get(option)]
+        return f"{regions} ({', '.join(notes)})" if regions and notes else regions
 
 
 def apply_compile(model: nn.Module, compilation: Compilation, unit_names: Sequence[str] = ()) -> nn.Module:

@@ -177,8 +177,12 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
                       cfg.train.steps)
     optimization = build_optimization(cfg, parallelized, placement, dtype, runtime.device)
     compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
+    graphs = cfg.train.cuda_graphs and runtime.device.type == "cuda"
+    if cfg.train.cuda_graphs and not graphs and runtime.is_main:  # validate refused an explicit CPU device
+        observers.report(f"train.cuda_graphs: no CUDA device (training on {runtime.device.type}); the compiled "
+                         "steps run without graphs")
     runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
-                               _compilation(cfg) if compile_whole else None, cfg.train.fused_linear_loss)
+                               _compilation(cfg, graphs) if compile_whole else None, cfg.train.fused_linear_loss)
     facts = RunFacts(
         parameters=parameters, model_init=model_init, compiled=runner.compilation.describe() or "nothing",
         world_size=runtime.world_size, local_world_size=_local_world_size(runtime), backend=runtime.backend,
@@ -286,9 +290,10 @@ def _profiler(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers
     return StepProfiler(*window, RunDir(run_dir).profile, runtime.rank, runtime.device, observers.report)
 
 
-def _compilation(cfg: Config) -> Compilation:
-    """What ``train.compile`` and ``train.compile_tuning`` ask of each compiled region."""
-    return Compilation(cfg.train.compile, inductor_options(cfg.train.compile_tuning))
+def _compilation(cfg: Config, cuda_graphs: bool = False) -> Compilation:
+    """What ``train.compile`` and ``train.compile_tuning`` ask of each compiled region, and
+    ``cuda_graphs`` of the model-and-loss region (``train.cuda_graphs`` on a CUDA device)."""
+    return Compilation(cfg.train.compile, inductor_options(cfg.train.compile_tuning, cuda_graphs))
 
 
 def build_step_runner(parallelized: Parallelized, mesh: DeviceMesh, optimization: Optimization,

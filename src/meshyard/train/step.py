@@ -166,6 +166,10 @@ class MicroBatchStep:
             # Gradients are synchronised only on the last micro-step: the others just
             # accumulate locally, which is what makes accumulation cheap.
             set_gradient_sync(self.model, index == accum - 1)
+            if self.compilation.graphs:
+                # A new step of the graphs: the last step's outputs (its loss, its gradients,
+                # which the optimizer has consumed) may be overwritten by this replay.
+                torch.compiler.cudagraph_mark_step_begin()
             with self.timer.phase("forward"), self.precision.autocast(), self.loss_context():
                 loss = self._forward_loss(inputs, targets)
                 training_loss = self.expert_load.training_loss(loss)
