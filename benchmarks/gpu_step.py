@@ -411,7 +411,9 @@ def main() -> None:
               f"{'; MFU unknown for this GPU' if mfu is None else ''})")
     else:
         met = ratio >= 0.98
-        print(f"verdict: {'met' if met else 'NOT met'} (target on CPU: ratio >= 0.98)")
+        # The target is set against the loop a user writes, with PyTorch's default step.
+        against = "; measured against a plain loop given the fused step (--fused-plain)" if args.fused_plain else ""
+        print(f"verdict: {'met' if met else 'NOT met'} (target on CPU: ratio >= 0.98{against})")
 
     out = args.out or (Path(__file__).parent / "results" / f"gpu-{datetime.date.today().isoformat()}.json"
                        if cuda else None)
