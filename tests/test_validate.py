@@ -158,3 +158,8 @@ def test_cuda_graphs_need_a_compiled_whole_step_of_one_micro_batch_on_cuda():
     assert "strategy 'ddp'" in wrapped and "parallel.strategy = 'none'" in wrapped
     [accumulated] = problems_of(1, "--train.cuda_graphs=true", "--train.global_batch=8", "--train.micro_batch=4")
     assert "accumulates 2" in accumulated and "set train.micro_batch = 8" in accumulated
+    [ring] = problems_of(2, "--train.cuda_graphs=true", "--parallel.strategy=ddp", "--parallel.cp=2",
+                         "--train.global_batch=8")
+    assert "cp 2" in ring  # the context-parallel ranks are what rule it out here
+    [experts] = problems_of(1, "--train.cuda_graphs=true", "--model.moe_experts=4", "--train.global_batch=8")
+    assert "model.moe_experts = 4" in experts and "train.cuda_graphs = false" in experts

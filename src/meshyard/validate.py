@@ -211,8 +211,14 @@ def _cuda_graph_problems(cfg: Config, checked: ValidatedLayout) -> list[str]:
         problems.append(
             "train.cuda_graphs = true needs the model and its loss compiled as one region, on one rank without "
             f"a wrapper or a model split; this layout (strategy '{cfg.parallel.strategy}', dp {dims.dp}, tp "
-            f"{dims.tp}, pp {dims.pp}) compiles each block instead: run one rank with parallel.strategy = "
-            "'none', or set train.cuda_graphs = false")
+            f"{dims.tp}, pp {dims.pp}, cp {dims.cp}{', CPU offload' if cfg.parallel.cpu_offload else ''}) "
+            "compiles each block instead: run one rank with parallel.strategy = 'none', or set "
+            "train.cuda_graphs = false")
+    if cfg.model.moe_experts > 0:
+        problems.append(
+            f"train.cuda_graphs = true does not take a mixture of experts (model.moe_experts = "
+            f"{cfg.model.moe_experts}): its routing splits tokens by counts read on the host, which a graph "
+            "cannot replay; set train.cuda_graphs = false")
     if checked.batch.grad_accum > 1:
         problems.append(
             f"train.cuda_graphs = true takes one micro-batch per step, but this batch accumulates "

@@ -181,6 +181,27 @@ def test_a_model_that_does_not_compile_falls_back_or_stops_as_asked():
         strict.forward_backward(batch)
 
 
+def test_a_mixture_of_experts_that_does_not_trace_whole_falls_back_or_stops_as_asked():
+    """Its routing splits tokens by counts read on the host: tracing fails on that data-dependent
+    size, which is a compile failure like any other ('auto' trains eagerly, true says so)."""
+    from meshyard.models.moe import MoEShape
+
+    shape = GPTShape(vocab_size=32, context_length=8, n_layer=1, n_head=2, d_model=16,
+                     moe=MoEShape(experts=4, top_k=2))
+    precision = build_precision(torch.float32, torch.device("cpu"), False, False)
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    warnings: list[str] = []
+    step = MicroBatchStep(GPT(shape), precision, torch.device("cpu"), compilation=Compilation("auto"),
+                          compile_whole=True, report=warnings.append)
+    assert torch.isfinite(step.forward_backward(batch))
+    assert len(warnings) == 1 and "could not be compiled" in warnings[0] and not step.compilation.enabled
+    strict = MicroBatchStep(GPT(shape), precision, torch.device("cpu"), compilation=Compilation(True),
+                            compile_whole=True)
+    with pytest.raises(CompileFailed, match="train.compile = true, but torch.compile could not compile"):
+        strict.forward_backward(batch)
+
+
 def test_compile_setting_is_validated(capsys):
     assert main(["config", "show", "--train.compile=sometimes"]) == 2
     assert "train.compile = 'sometimes' is not one of 'auto', true, false" in capsys.readouterr().err

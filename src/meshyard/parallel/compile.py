@@ -43,10 +43,14 @@ def inductor_options(tuning: bool, cuda_graphs: bool = False) -> dict[str, Any]:
 
 def compile_errors() -> tuple[type[BaseException], ...]:
     """What a failed compilation raises: Dynamo's errors (an unsupported construct under
-    fullgraph, a failing backend such as Inductor without a C compiler)."""
+    fullgraph, a failing backend such as Inductor without a C compiler), and tracing's
+    errors on a size read from the data (a mixture of experts splitting its tokens by
+    counts taken to the host), which reach the caller as they are."""
     from torch._dynamo.exc import TorchDynamoException  # no public name for Dynamo's error base
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    return (TorchDynamoException,)
+    return (TorchDynamoException, GuardOnDataDependentSymNode, DataDependentOutputException)
 
 
 def compiled_graphs() -> int:

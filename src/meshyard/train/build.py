@@ -179,8 +179,9 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
     compile_whole = resolve_compile(cfg.train.compile, runtime.device) and placement.layout.compiles_whole
     graphs = cfg.train.cuda_graphs and runtime.device.type == "cuda"
     if cfg.train.cuda_graphs and not graphs and runtime.is_main:  # validate refused an explicit CPU device
-        observers.report(f"train.cuda_graphs: no CUDA device (training on {runtime.device.type}); the compiled "
-                         "steps run without graphs")
+        compiled = "the compiled steps run" if compile_whole else "training runs"
+        observers.report(f"train.cuda_graphs: no CUDA device (training on {runtime.device.type}); {compiled} "
+                         "without graphs")
     runner = build_step_runner(parallelized, placement.mesh, optimization, runtime.device, observers,
                                _compilation(cfg, graphs) if compile_whole else None, cfg.train.fused_linear_loss)
     facts = RunFacts(
