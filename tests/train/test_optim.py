@@ -8,8 +8,8 @@ import torch
 
 from meshyard.config.load import load_config
 from meshyard.models.gpt import GPT, GPTShape
-from meshyard.train.optim import (build_optimizer, build_scheduler, lr_multiplier, parameter_groups, scaled_peak_lr,
-                                  step_implementation)
+from meshyard.train.optim import (build_optimizer, build_scheduler, built_step, lr_multiplier, parameter_groups,
+                                  scaled_peak_lr, step_implementation)
 
 
 def test_warmup_then_cosine_to_floor():
@@ -87,7 +87,7 @@ def test_the_step_is_fused_on_one_device_type_of_floats_and_pytorchs_default_oth
     assert step_implementation([on("cpu")], sharded_loss_scaling=True) == "for-loop"
     for name in ("adamw", "sgd"):
         cpu_optimizer = build_optimizer(torch.nn.Linear(2, 2), load_config(None, [f"--optim.name={name}"]).optim, 0.1)
-        assert cpu_optimizer.defaults["fused"]
+        assert cpu_optimizer.defaults["fused"] and built_step(cpu_optimizer) == "fused"  # what run.json records
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
@@ -132,3 +132,4 @@ def test_a_mix_of_plain_tensors_and_dtensors_steps_in_a_loop():
         param.grad = torch.ones_like(param)
     optimizer.step()  # the fused step would raise on the mix
     assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"] is False
+    assert built_step(optimizer) == "for-loop"

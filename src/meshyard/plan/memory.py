@@ -28,6 +28,7 @@ from meshyard.plan.layout import PlannedLayout
 from meshyard.plan.model import ModelDescription
 from meshyard.plan.stage import StageShape, stage_shapes
 from meshyard.plan.units import fmt_bytes, fmt_count
+from meshyard.train.optim import choose_step
 
 
 @dataclass(frozen=True)
@@ -283,17 +284,15 @@ OPTIMIZER_TEMPORARIES = {
 
 
 def planned_optimizer_step(layout: PlannedLayout, on_gpu: bool = True) -> str:
-    """The step the trainer takes for ``layout`` (``train.optim.step_implementation``'s rule,
-    for meshyard's GPT): fused, but the loop where tensor parallelism without sequence
-    parallelism mixes plain norms with DTensors, and PyTorch's default (foreach on a GPU,
-    the loop on a CPU) for fp16 with gradients split over ranks or SGD over DTensors."""
+    """The step the trainer takes for ``layout`` (``train.optim.choose_step`` on what the layout
+    makes of meshyard's GPT): its parameters are DTensors under ZeRO-2/3 and tensor
+    parallelism, where the norms stay plain without sequence parallelism, and fp16's loss
+    scaling is sharded wherever gradients are split over ranks."""
     dtensors = layout.zero_stage >= 2 or layout.tp > 1
-    if layout.tp > 1 and not layout.sequence_parallel:
-        return "for-loop"
+    kinds = {True, False} if layout.tp > 1 and not layout.sequence_parallel else {dtensors}
     sharded_fp16 = layout.precision.name == "fp16" and (dtensors or layout.pp > 1)
-    if sharded_fp16 or (dtensors and layout.optimizer == "sgd"):
-        return "foreach" if on_gpu else "for-loop"
-    return "fused"
+    return choose_step({"cuda" if on_gpu else "cpu"}, kinds, sharded_loss_scaling=sharded_fp16,
+                       optimizer=layout.optimizer)
 
 
 def optimizer_temp_bytes(desc: ModelDescription, shape: StageShape, layout: PlannedLayout,

@@ -59,7 +59,7 @@ from meshyard.runtime.batch_plan import BatchPlan
 from meshyard.runtime.distributed import Runtime, rank0_decides
 from meshyard.runtime.hosts import gather_host_labels
 from meshyard.train.facts import Resumed, RunFacts, Throughput
-from meshyard.train.optim import build_optimizer, build_scheduler, scaled_peak_lr, step_implementation
+from meshyard.train.optim import build_optimizer, build_scheduler, built_step, scaled_peak_lr
 from meshyard.train.pipeline_step import PipelineStep
 from meshyard.train.start import StartFrom, initialize, start_from
 from meshyard.train.precision import build_precision, resolve_dtype
@@ -190,9 +190,7 @@ def assemble(cfg: Config, runtime: Runtime, run_dir: Path, observers: Observers,
         device=str(runtime.device), **placement.layout.facts(), hosts=observers.hosts,
         global_batch=batch.global_batch, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
         dtype=str(dtype).removeprefix("torch."), peak_lr=scaled_peak_lr(cfg.optim, batch.global_batch),
-        optimizer_step=step_implementation([p for group in optimization.optimizer.param_groups
-                                            for p in group["params"]], optimization.precision.sharded_loss_scaling,
-                                           cfg.optim.name),
+        optimizer_step=built_step(optimization.optimizer),
         data=data.description, train_samples=data.train_samples, memory_capacity_bytes=meter.memory.capacity,
         tokenizer_file=str(data.tokenizer_file or ""),
         throughput=Throughput(**throughput) if throughput else None, price=cost.price,

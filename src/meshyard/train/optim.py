@@ -58,36 +58,51 @@ ACCELERATOR_TYPES = frozenset({"cuda", "xpu"})
 """Devices where PyTorch's own default is the foreach step (one kernel per operation)."""
 
 
-DTENSOR_FUSED_OPTIMIZERS = frozenset({"adamw"})
+DTENSOR_FUSED_OPTIMIZERS = frozenset({"adam", "adamw"})
 """Optimizers whose fused step DTensor can run: PyTorch registers sharding strategies for
 the fused Adam and AdamW kernels, not for fused SGD."""
 
 
-def step_implementation(parameters: list[nn.Parameter], sharded_loss_scaling: bool = False,
-                        optimizer: str = "adamw") -> str:
-    """'fused' when every parameter is a floating-point tensor on one device type of
-    ``FUSED_DEVICE_TYPES``, all plain or all DTensor (FSDP's shards, TP's pieces; for an
-    optimizer of ``DTENSOR_FUSED_OPTIMIZERS``); otherwise PyTorch's default: 'foreach' when
-    every parameter is on an accelerator, else 'for-loop'.
+def choose_step(device_types: set[str], dtensor_kinds: set[bool], floats: bool = True,
+                sharded_loss_scaling: bool = False, optimizer: str = "adamw") -> str:
+    """The optimizer step for parameters on ``device_types`` that are DTensors or not as
+    ``dtensor_kinds`` says ({True}, {False} or both), all floats or not: 'fused' when they
+    are floats on one device type of ``FUSED_DEVICE_TYPES``, all plain or all DTensor (FSDP's
+    shards, TP's pieces; for an optimizer of ``DTENSOR_FUSED_OPTIMIZERS``); otherwise
+    PyTorch's default: 'foreach' on accelerators, else 'for-loop'. The trainer's choice
+    (``step_implementation``) and the planner's (``plan.memory.planned_optimizer_step``).
 
     A mix of plain tensors and DTensors (tensor parallelism without sequence parallelism
     leaves the norms plain) takes the loop: an operation over a list of tensors refuses the
     mix. Never fused under ``sharded_loss_scaling`` (fp16 with gradients split over ranks):
     PyTorch's ShardedGradScaler hands the step a one-element inf flag, which the fused
     step's in-place update of its scalar step counts refuses."""
-    device_types = {p.device.type for p in parameters}
-    kinds = {isinstance(p, DTensor) for p in parameters}
-    if len(kinds) > 1:
+    if len(dtensor_kinds) > 1:
         return "for-loop"
-    fusable = (len(device_types) == 1 and device_types <= FUSED_DEVICE_TYPES and not sharded_loss_scaling
-               and (kinds != {True} or optimizer in DTENSOR_FUSED_OPTIMIZERS))
-    if fusable and all(p.is_floating_point() for p in parameters):
+    fusable = (len(device_types) == 1 and device_types <= FUSED_DEVICE_TYPES and floats and not sharded_loss_scaling
+               and (dtensor_kinds != {True} or optimizer in DTENSOR_FUSED_OPTIMIZERS))
+    if fusable:
         return "fused"
     return "foreach" if device_types and device_types <= ACCELERATOR_TYPES else "for-loop"
 
 
+def step_implementation(parameters: list[nn.Parameter], sharded_loss_scaling: bool = False,
+                        optimizer: str = "adamw") -> str:
+    """``choose_step`` for these parameters."""
+    return choose_step({p.device.type for p in parameters}, {isinstance(p, DTensor) for p in parameters},
+                       all(p.is_floating_point() for p in parameters), sharded_loss_scaling, optimizer)
+
+
 STEP_OPTIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
 """The optimizer's keyword arguments for each ``step_implementation``."""
+
+
+def built_step(optimizer: torch.optim.Optimizer) -> str:
+    """The ``STEP_OPTIONS`` an optimizer of ``build_optimizer`` was built with (ZeRO-1's
+    too: it keeps its inner optimizer's arguments as its defaults)."""
+    defaults = optimizer.defaults
+    return next(step for step, options in STEP_OPTIONS.items()
+                if all(defaults.get(key) == value for key, value in options.items()))
 
 
 def build_optimizer(
