@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from meshyard.train.trainer import clip_grad_norm
+from tests import shared_spawn
 
 
 @pytest.fixture
@@ -49,6 +50,41 @@ def test_clip_grad_norm_reports_global_norm_and_clips():
     assert total.item() == pytest.approx(1.0, rel=1e-5)
     unclipped = clip_grad_norm(params, max_norm=0.0)
     assert unclipped.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def _clip_dtensor_gradients(rank: int, world_size: int) -> list[list[float]]:
+    """Two ranks' gradients of each placement tensor parallelism leaves, clipped to norm 1:
+    a partial sum ([1, 0] + [2, 0]), a shard of [0, 4, 0, 0] and a replicated [0, 0, 12]
+    (the whole norm 13); returns each gradient's full tensor after clipping and the norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    pieces = [([1.0, 0.0], [2.0, 0.0]), ([0.0, 4.0], [0.0, 0.0]), ([0.0, 0.0, 12.0],) * 2]
+    params = []
+    for local, placement in zip(pieces, [Partial(), Shard(0), Replicate()]):
+        value = torch.tensor(local[rank])
+        param = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(value), mesh, [placement]))
+        param.grad = DTensor.from_local(value, mesh, [placement])
+        params.append(param)
+    norm = clip_grad_norm(params, max_norm=1.0)
+    return [p.grad.full_tensor().tolist() for p in params] + [[norm.item()]]
+
+
+shared_spawn.register(2, "trainer: clipped dtensor gradients", __name__,
+                      lambda request, folder: (_clip_dtensor_gradients, ()))
+
+
+def test_clip_grad_norm_scales_dtensor_gradients_of_every_placement(request):
+    """Tensor parallelism leaves partial-sum gradients (its layer norms) beside sharded and
+    replicated ones: every rank sees each scaled by the same coefficient (torch 2.10-2.11
+    dropped the foreach multiply of a partial one on two ranks or more, leaving it unclipped)."""
+    _, per_rank = shared_spawn.result(request, 2, "trainer: clipped dtensor gradients")
+    scale = 1.0 / (13.0 + 1e-6)
+    expected = [[3.0 * scale, 0.0], [0.0, 4.0 * scale, 0.0, 0.0], [0.0, 0.0, 12.0 * scale], [13.0]]
+    for grads in per_rank:
+        for got, want in zip(grads, expected):
+            assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_async_saves_record_the_wait_for_their_copy_on_the_step_after(make_config):

@@ -168,8 +168,10 @@ class PipelineStep:
         # The schedule's own list, not values seen by ``_loss``: on its first pass the
         # schedule also calls the loss function on placeholder outputs to infer shapes.
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.model.has_first else ()
-        target = targets if self.holds_loss else None
+        # Contiguous: a batch sliced from longer windows (inputs = window[:, :-1]) has another
+        # stride than the one the schedule's shape check expects (torch 2.10-2.11 refuse it).
+        args = (inputs.contiguous(),) if self.model.has_first else ()
+        target = targets.contiguous() if self.holds_loss else None
         with self.precision.autocast():
             if train:
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)

@@ -91,9 +91,22 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
         dist.all_reduce(squared, group=stage_group)
         total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
-        for group in by_mesh:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        _scale_gradients([p.grad for group in by_mesh for p in group], max_norm, total)
     return total
+
+
+def _scale_gradients(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scales ``grads`` in place by ``max_norm / total`` where that is below 1 (PyTorch's
+    ``clip_grads_with_norm_`` coefficient). A DTensor's local piece is scaled: exact for every
+    placement (a partial sum scales with its parts), and torch 2.10-2.11 drop the in-place
+    foreach multiply of a ``Partial`` gradient (tensor parallelism's layer norms) silently."""
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_device.setdefault(local.device, []).append(local)
+    for device, tensors in by_device.items():
+        torch._foreach_mul_(tensors, coefficient.to(device))
 
 
 def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
