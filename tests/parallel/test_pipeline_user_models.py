@@ -142,6 +142,24 @@ def test_an_untraceable_forward_is_refused_naming_the_fix():
     assert "parallel.pp = 1" in problem
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the test extra)")
+def test_on_a_torch_that_cannot_send_them_stages_passing_integers_on_are_refused(monkeypatch):
+    """Before torch 2.13 a traced stage cannot receive a non-floating activation: a Hugging
+    Face GPT-2 passes its attention mask (bool) from stage to stage, so it is refused before
+    the run starts (its first step would fail on one rank and leave the other waiting); the
+    nanoGPT passes floats only and is not."""
+    from meshyard.parallel import pipeline_trace
+
+    monkeypatch.setattr(pipeline_trace, "RECEIVES_NON_FLOAT", False)
+    with torch.device("meta"):
+        hf_model = user_models.hf_gpt2(vocab_size=64, context_length=16)
+        nanogpt = user_models.nanogpt(vocab_size=64, context_length=16)
+    [problem] = _problems(hf_model, pp=2)
+    assert "GPT2LMHeadModel pass non-floating tensors on" in problem and "(bool)" in problem
+    assert "torch 2.13 or later" in problem and "parallel.pp = 1" in problem
+    assert _problems(nanogpt, pp=2) == []
+
+
 def test_fewer_blocks_than_stages_and_a_wrong_split_are_refused():
     with torch.device("meta"):
         model = user_models.nanogpt(vocab_size=64, context_length=16, n_layer=2)

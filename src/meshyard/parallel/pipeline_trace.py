@@ -36,6 +36,7 @@ from torch import fx, nn
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 from torch.distributed.pipelining import Pipe, pipeline
 from torch.distributed.pipelining._IR import PipeInfo
+from torch.torch_version import TorchVersion
 
 from meshyard.models.outputs import logits_of
 
@@ -43,6 +44,9 @@ PREFIX = "model"  # LogitsOf's attribute: every traced name starts with it
 _GRAD_MODE = torch.ops.higher_order.wrap_with_set_grad_enabled
 _AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 _PIPE_SPLIT = torch.ops.pippy._pipe_split.default  # what pipeline() cuts at
+RECEIVES_NON_FLOAT = TorchVersion(torch.__version__) >= "2.13"
+"""Whether torch's traced stages can receive a non-floating activation: before 2.13 a training
+stage makes every receive buffer require gradients, which only floating tensors can."""
 
 
 class PipelineTraceError(ValueError):
@@ -88,6 +92,8 @@ def trace_stages(model: nn.Module, cut_before: list[str], keep: Collection[int],
     _check_inputs(pipe, model)
     _chain(pipe)
     _contiguous_boundaries(pipe)
+    if not RECEIVES_NON_FLOAT:
+        _refuse_non_float_boundaries(pipe, model)
     non_persistent = {_join(path, name) for path, module in model.named_modules()
                       for name in module._non_persistent_buffers_set}
     held, modules = [], {}
@@ -315,6 +321,26 @@ def _contiguous_boundaries(pipe: Pipe) -> None:
         for node in stage.graph.nodes:
             if node.op == "placeholder" and not _is_contiguous(node):
                 node.meta["val"] = _contiguous_like(node.meta["val"])
+
+
+def _refuse_non_float_boundaries(pipe: Pipe, model: nn.Module) -> None:
+    """Refuse a cut whose stages pass a non-floating tensor on (a Hugging Face model's position
+    ids or mask), which torch before 2.13 cannot receive (``RECEIVES_NON_FLOAT``): its first
+    step would fail on the receiving rank and leave the other waiting."""
+    crossing = {}
+    for call in [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"][1:]:
+        stage = pipe.split_gm.get_submodule(str(call.target))
+        for node in stage.graph.nodes:
+            value = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) and not value.is_floating_point():
+                crossing[node.name.removeprefix("carried_")] = str(value.dtype).removeprefix("torch.")
+    if crossing:
+        named = ", ".join(f"{name} ({dtype})" for name, dtype in crossing.items())
+        raise PipelineTraceError(
+            f"parallel.pp: the stages of {type(model).__name__} pass non-floating tensors on ({named}), which "
+            f"torch {torch.__version__} cannot send between pipeline stages (torch 2.13 and later can); install "
+            "torch 2.13 or later, or train this model without pipeline parallelism (parallel.pp = 1, with fsdp "
+            "or tp)")
 
 
 def _is_contiguous(node: fx.Node) -> bool:
