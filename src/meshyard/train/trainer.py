@@ -91,22 +91,27 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
         dist.all_reduce(squared, group=stage_group)
         total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
-        _scale_gradients([p.grad for group in by_mesh for p in group], max_norm, total)
+        for group in by_mesh:
+            partial = [p.grad for p in group if _is_partial(p.grad)]
+            if partial:
+                _scale_local_pieces(partial, max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_([p for p in group if not _is_partial(p.grad)], max_norm, total)
     return total
 
 
-def _scale_gradients(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
-    """Scales ``grads`` in place by ``max_norm / total`` where that is below 1 (PyTorch's
-    ``clip_grads_with_norm_`` coefficient). A DTensor's local piece is scaled: exact for every
-    placement (a partial sum scales with its parts), and torch 2.10-2.11 drop the in-place
-    foreach multiply of a ``Partial`` gradient (tensor parallelism's layer norms) silently."""
+def _is_partial(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a DTensor holding partial sums (tensor parallelism's layer norms)."""
+    return isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements)
+
+
+def _scale_local_pieces(grads: list[DTensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scales partial-sum gradients by ``clip_grads_with_norm_``'s coefficient through their
+    local pieces (a sum scales with its parts): torch 2.10-2.11 run the in-place foreach
+    multiply of a ``Partial`` DTensor on a copy and drop it, leaving it unclipped. Only these
+    take the detour: ``to_local`` costs several times the DTensor multiply per gradient."""
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        by_device.setdefault(local.device, []).append(local)
-    for device, tensors in by_device.items():
-        torch._foreach_mul_(tensors, coefficient.to(device))
+    pieces = [grad.to_local() for grad in grads]
+    torch._foreach_mul_(pieces, coefficient.to(pieces[0].device))
 
 
 def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
