@@ -92,10 +92,12 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
         total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
         for group in by_mesh:
-            partial = [p.grad for p in group if _is_partial(p.grad)]
+            partial, whole = [], []
+            for param in group:
+                (partial if _is_partial(param.grad) else whole).append(param)
             if partial:
-                _scale_local_pieces(partial, max_norm, total)
-            torch.nn.utils.clip_grads_with_norm_([p for p in group if not _is_partial(p.grad)], max_norm, total)
+                _scale_local_pieces([param.grad for param in partial], max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
     return total
 
 
