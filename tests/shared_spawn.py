@@ -9,9 +9,11 @@ that world size whose module has a selected test, one after another in one spawn
 
 Jobs run in the order their modules were imported (those registered ``first`` before
 the others), each in the processes the jobs before it used: each sets its own seeds and
-builds its own meshes. A job that raises ends the spawn, as it would have ended a spawn
-of its own, and asking for its result raises ``JobFailed`` with the rank's error; the
-jobs after it run again in a fresh spawn, so one module's failure stays its own.
+builds its own meshes. A job whose ``make`` raises (a configuration refused) does not
+run, and asking for its result raises ``JobFailed`` with that error. A job that raises
+ends the spawn, as it would have ended a spawn of its own, and asking for its result
+raises ``JobFailed`` with the rank's error; the jobs after it run again in a fresh
+spawn, so one module's failure stays its own.
 """
 
 from __future__ import annotations
@@ -96,14 +98,18 @@ def _run_registered(request: pytest.FixtureRequest, world_size: int) -> dict[str
     registered = sorted(_REGISTERED.get(world_size, {}).items(), key=lambda named: not named[1].first)
     root = request.getfixturevalue("tmp_path_factory").mktemp(f"shared-{world_size}-ranks")
     pending: list[_Job] = []
-    for name, job in registered:
+    outcomes: dict[str, _Outcome] = {}
+    for index, (name, job) in enumerate(registered):
         if job.module in selected:
-            folder = root / f"job{len(pending)}"
+            folder = root / f"job{index}"
             folder.mkdir()
-            made = job.make(request, folder)
+            try:
+                made = job.make(request, folder)
+            except Exception as refused:  # such as a configuration refused: the other jobs still run
+                outcomes[name] = _Outcome(folder, None, f"{type(refused).__name__} while making the job: {refused}")
+                continue
             if made is not None:
                 pending.append(_Job(name, folder, *made))
-    outcomes: dict[str, _Outcome] = {}
     for attempt in range(len(pending)):  # each spawn after the first starts past a failed job
         if not pending:
             break

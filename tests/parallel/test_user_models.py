@@ -36,6 +36,7 @@ from meshyard.parallel.data_parallel import unwrap
 from tests import shared_spawn
 from tests.conftest import tiny_config
 from tests.inprocess import fitted
+from tests.pipeline_masks import can_train, skip_unless_trainable
 
 USER_MODELS = Path(__file__).resolve().parents[1] / "models" / "user_models.py"
 MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
@@ -86,7 +87,7 @@ def _cases(layouts: dict[str, tuple[str, ...]], session: pytest.Session) -> list
                 if hasattr(item, "callspec") and item.callspec.params.get("layout") in layouts}
     return [(f"{model}-{name}", _overrides(model, overrides))
             for model in MODELS if _available(model) for name, overrides in layouts.items()
-            if (model, name) in selected]
+            if (model, name) in selected and can_train(model, overrides)]
 
 
 def _describe_error(error: BaseException) -> str:
@@ -223,6 +224,7 @@ def baselines(request) -> dict[str, list[float]]:
 def _check_cell(model: str, layout: str, results: dict, baselines: dict[str, list[float]]) -> None:
     if not _available(model):
         pytest.skip("needs transformers (pip install 'meshyard[hf]')")
+    skip_unless_trainable(model, {**TWO_RANK_LAYOUTS, **FOUR_RANK_LAYOUTS}[layout])
     cell = results[f"{model}-{layout}"]
     if cell.get("error"):
         pytest.fail(f"{model} under {layout}: {cell['error']}", pytrace=False)
