@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from meshyard.models.linear_cross_entropy import linear_cross_entropy
-from meshyard.plan.measure import MemoryProbe, measure_call_peak, measure_peak_memory
+from meshyard.plan.measure import MemoryProbe, _peak_live_bytes, measure_call_peak, measure_peak_memory
 from meshyard.plan.memory import estimate_memory, fused_loss_bytes
 from meshyard.plan.model import describe_gpt
 
@@ -44,6 +44,18 @@ def test_estimate_within_15_percent_of_measured_peak(probe, measured):
     actual = measured[probe.label()]
     assert abs(estimate.peak_bytes - actual) <= TOLERANCE * actual, (
         f"{probe.label()}: estimated {estimate.peak_bytes / 1e6:.2f} MB, measured {actual / 1e6:.2f} MB")
+
+
+def test_the_peak_counts_by_address_what_the_steps_allocated():
+    """A free the profiler never saw (a collective's buffer dropped on gloo's thread) is
+    retired when its address is allocated again; frees of what was there before are not
+    counted; the peak is the most live at once."""
+    events = [(1, 100, 0xA), (2, -30, 0xF),  # 0xF was allocated before: left out
+              (3, 50, 0xB),  # 150 live
+              (4, 40, 0xA),  # 0xA's free was not seen: its 100 bytes retired, 90 live
+              (5, -50, 0xB), (6, 70, 0xC), (7, 20, 0xD)]  # 40 + 70 + 20
+    assert _peak_live_bytes(events) == 150
+    assert _peak_live_bytes([*events, (8, 60, 0xE)]) == 190
 
 
 @pytest.mark.parametrize("dtype, d_model, rows", [

@@ -1,9 +1,10 @@
 """Measured peak memory of real training steps on CPU, to check the estimator against.
 
 How memory is measured: each rank runs its steps under ``torch.profiler`` with
-``profile_memory=True``. Every allocation and free made through c10's CPU allocator is
-reported with the allocator's running total of live bytes (``total_allocated``); the
-peak is the largest total seen minus the total before the model was built. Inputs,
+``profile_memory=True``, which reports every allocation and free made through c10's CPU
+allocator on the threads it records, with its address. The peak is the most bytes live
+at once among those allocated during the steps, counted by address (``_peak_live_bytes``).
+Inputs,
 parameters, gradients, optimizer states, activations and the tensors collectives
 allocate are all counted; memory that gloo or the C++ runtime allocate outside c10
 (and Python objects) is not, which matches what the estimator models on a GPU, where
@@ -89,20 +90,40 @@ def _free_port() -> int:
 
 
 def measure_call_peak(call: Callable[[], object]) -> int:
-    """Peak live bytes that c10's CPU allocator held beyond its total before ``call`` ran,
-    measured as the module docstring says (what ``call`` returns is dropped after)."""
+    """Peak bytes that c10's CPU allocator held for what ``call`` allocated, measured as
+    the module docstring says (what ``call`` returns is dropped after)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        marker = torch.empty(1)  # first event: the allocator's total before the call
         result = call()
-        del marker, result
-    events = _allocator_events(prof)
-    _, marker_bytes, after_marker = events[0]
-    return int(max(total for _, _, total in events) - (after_marker - marker_bytes))
+        del result
+    return _peak_live_bytes(_allocator_events(prof))
+
+
+def _peak_live_bytes(events: list[tuple[int, int, int]]) -> int:
+    """The most bytes live at once among the allocations in ``events``, each retired by
+    its free or by the next allocation at its address.
+
+    Not the allocator's running total: a collective's buffers are often freed on threads
+    the profiler does not record (gloo's), so their frees never arrive and that total
+    drifts up over the steps: gpt-small under tp = 2 on CPU peaked at 123-143 MB by it,
+    varying run to run and rank to rank with which thread dropped them last, against
+    121.5-123 MB counted here. The address such a buffer comes back at retires it; one
+    never allocated again stays counted, so the figure can only err high. Frees of what
+    was allocated before (addresses never allocated here) are left out."""
+    live: dict[int, int] = {}
+    total = peak = 0
+    for _, size, address in events:
+        if size > 0:
+            total += size - live.get(address, 0)
+            live[address] = size
+            peak = max(peak, total)
+        else:
+            total -= live.pop(address, 0)
+    return peak
 
 
 def _allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
-    """(time, bytes allocated (negative: freed), live bytes after) of every CPU allocator
-    event the profiler saw, in time order.
+    """(time, bytes allocated (negative: freed), address) of every CPU allocator event the
+    profiler saw, in time order.
 
     Read from the profiler's event tree: the public ``events()`` folds allocations into
     the operators that made them and loses their order, which the peak needs.
@@ -114,7 +135,7 @@ def _allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
         stack.extend(node.children)
     return sorted(events)
 
@@ -184,8 +205,8 @@ def _worker(rank: int, probes: list[MemoryProbe], port: int, out_dir: str) -> No
     try:
         results = []
         for probe in probes:
-            # Objects of the previous probe must be gone before this one's profile
-            # starts, or their late release would lower the totals it sees.
+            # The previous probe's objects go before this one's profile starts: its steps
+            # then run in the memory they would have alone.
             gc.collect()
             results.append(asdict(_run_steps(probe, rank)))
     finally:
