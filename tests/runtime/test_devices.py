@@ -31,16 +31,6 @@ def test_cpu_tensors_go_to_gloo_whatever_the_device():
     assert shared == {"cpu": "gloo", "cuda": "gloo"}
 
 
-@pytest.mark.skipif(not dist.is_nccl_available() or not torch.cuda.is_available(),
-                    reason="needs a torch with NCCL and a GPU: NCCL's process group refuses to start without one (torch 2.11)")
-def test_cuda_backend_string_takes_a_cpu_all_reduce():
-    """The CUDA device map starts and sends CPU tensors to gloo, not NCCL."""
-    dist.init_process_group(process_group_backend("cuda"), store=dist.HashStore(), rank=0, world_size=1)
-    tensor = torch.ones(3)
-    dist.all_reduce(tensor)
-    assert tensor.tolist() == [1.0, 1.0, 1.0]
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

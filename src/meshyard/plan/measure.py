@@ -4,8 +4,7 @@ How memory is measured: each rank runs its steps under ``torch.profiler`` with
 ``profile_memory=True``, which reports every allocation and free made through c10's CPU
 allocator on the threads it records, with its address. The peak is the most bytes live
 at once among those allocated during the steps, counted by address (``_peak_live_bytes``).
-Inputs,
-parameters, gradients, optimizer states, activations and the tensors collectives
+Inputs, parameters, gradients, optimizer states, activations and the tensors collectives
 allocate are all counted; memory that gloo or the C++ runtime allocate outside c10
 (and Python objects) is not, which matches what the estimator models on a GPU, where
 NCCL's buffers are also outside the caching allocator.
